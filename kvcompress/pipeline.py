@@ -1,0 +1,157 @@
+"""A pipeline: protection -> chunker -> clusterer -> merger, under a budget, for one layer.
+
+The pipeline is functional: ``compress`` returns a new state and never writes into the state it
+was given, so an error (bad input, a budget that cannot be met) leaves the caller's cache as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from .config import PipelineConfig, as_config
+from .protocols import ClusterPlan
+from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
+from .types import CompressionReport, KVState
+from .validation import check_int, require
+
+
+class BudgetError(ValueError):
+    """The budget cannot be met under the pipeline's protection and chunking."""
+
+
+class Pipeline:
+    """Compress one layer's KVState with the strategies named in a PipelineConfig.
+
+        pipe = Pipeline("semanticache", keep_ratio=0.25)
+        new_state, report = pipe.compress(state, layer_idx=3)
+    """
+
+    def __init__(self, config: PipelineConfig | Mapping | str = "semanticache", **overrides):
+        self.config = as_config(config, **overrides)
+        cfg = self.config
+        self.chunker = CHUNKERS.create(cfg.chunker.name, cfg.chunker.params)
+        self.clusterer = CLUSTERERS.create(cfg.clusterer.name, cfg.clusterer.params)
+        self.merger = MERGERS.create(cfg.merger.name, cfg.merger.params)
+        self.guards = tuple(GUARDS.create(g.name, g.params) for g in cfg.guards)
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.config.name!r}, {self.config.to_dict()})"
+
+    # ------------------------------------------------------------------ budget & protection
+    def target_slots(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+        """[B, H] long: slots each head may keep."""
+        cfg = self.config
+        B, H = state.batch_size, state.num_heads
+        if cfg.keep_ratio is not None:
+            real = state.real_tokens().to(torch.float64)  # [B]
+            per_row = torch.floor(real * cfg.keep_ratio + 1e-9).long().clamp(min=1)
+            target = per_row[:, None].expand(B, H).clone()
+        else:
+            target = torch.full((B, H), cfg.max_slots, dtype=torch.long, device=state.keys.device)
+        for head in self.full_heads(layer_idx, H):
+            target[:, head] = state.valid[:, head].sum(-1)
+        return target.to(state.keys.device)
+
+    def full_heads(self, layer_idx: int | None, num_heads: int) -> list[int]:
+        if layer_idx is None:
+            return []
+        heads = [h for (layer, h) in self.config.full_heads if layer == layer_idx]
+        for h in heads:
+            require(h < num_heads, "full_heads", (layer_idx, h), f"kv-head indices < {num_heads}")
+        return heads
+
+    def protection(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+        """[B, H, N] bool: sinks, recent window, guards, user-protected slots and full heads."""
+        cfg = self.config
+        valid = state.valid
+        rel = state.positions - state.start()[:, None, None]  # [B, H, N] position in the row
+        protected = valid & (rel < cfg.sinks)
+        if cfg.recent:
+            protected |= valid & (state.positions >= state.num_tokens - cfg.recent)
+        if state.protected is not None:
+            protected |= state.protected & valid
+        for guard in self.guards:
+            mask = guard(state)
+            require(tuple(mask.shape) == tuple(valid.shape) and mask.dtype == torch.bool,
+                    "guard output", (tuple(mask.shape), mask.dtype), f"a bool mask of shape {tuple(valid.shape)}")
+            protected |= mask & valid
+        for head in self.full_heads(layer_idx, state.num_heads):
+            protected[:, head] = valid[:, head]
+        return protected
+
+    # ------------------------------------------------------------------ compression
+    def compress(self, state: KVState, layer_idx: int | None = None) -> tuple[KVState, CompressionReport]:
+        """Compress ``state`` to the budget. Raises BudgetError (a ValueError) when the budget
+        cannot be met and ``on_infeasible='error'``; the input state is never modified."""
+        require(isinstance(state, KVState), "state", type(state).__name__, "a KVState")
+        state.validate()
+        if layer_idx is not None:
+            check_int("layer_idx", layer_idx, 0)
+        cfg = self.config
+        target = self.target_slots(state, layer_idx)
+        current = state
+        taus = None
+        rounds = 0
+        for round_idx in range(cfg.max_rounds):
+            slots = current.valid.sum(-1)
+            if round_idx > 0 and bool((slots <= target).all()):
+                break
+            protected = self.protection(current, layer_idx)
+            chunk_ids = self.chunker(current, protected)
+            plan: ClusterPlan = self.clusterer(current, chunk_ids, target, round_idx)
+            parent = self._checked_plan(current, plan.parent, protected, chunk_ids)
+            if plan.tau is not None:
+                taus = plan.tau
+            merged = self.merger(current, parent)
+            rounds += 1
+            progressed = merged.num_slots < current.num_slots or bool(
+                (merged.valid.sum(-1) < slots).any())
+            current = merged
+            if plan.done or not progressed:
+                break
+
+        slots = current.valid.sum(-1)
+        met = bool((slots <= target).all())
+        report = CompressionReport(
+            slots_per_head=slots, tokens_per_row=state.real_tokens(), target=target,
+            num_slots=current.num_slots, rounds=rounds, budget_met=met, tau=taus, layer_idx=layer_idx,
+        )
+        if not met and cfg.on_infeasible == "error":
+            raise BudgetError(self._infeasible_message(state, layer_idx, slots, target))
+        return current, report
+
+    def _checked_plan(self, state: KVState, parent: Tensor, protected: Tensor, chunk_ids: Tensor) -> Tensor:
+        """Enforce the invariants every plan must keep, whoever wrote the clusterer."""
+        B, H, N = state.log_sizes.shape
+        require(tuple(parent.shape) == (B, H, N) and parent.dtype == torch.long,
+                "clusterer plan", (tuple(parent.shape), parent.dtype), f"a long tensor of shape {(B, H, N)}")
+        slot = torch.arange(N, device=parent.device)
+        parent = torch.where(state.valid, parent, -1)  # padding slots are always dropped
+        if not bool((parent[protected] == slot.expand(B, H, N)[protected]).all()):
+            raise RuntimeError(f"clusterer {self.config.clusterer.name!r} merged or dropped a protected slot")
+        merged = (parent >= 0) & (parent != slot)
+        into = parent.clamp(min=0)
+        if bool((protected.gather(-1, into) & merged).any()):
+            raise RuntimeError(f"clusterer {self.config.clusterer.name!r} merged a slot into a protected slot")
+        if bool((chunk_ids.gather(-1, into) != chunk_ids)[merged].any()) or bool((chunk_ids[merged] < 0).any()):
+            raise RuntimeError(f"clusterer {self.config.clusterer.name!r} merged across chunks")
+        return parent
+
+    def _infeasible_message(self, state, layer_idx, slots, target) -> str:
+        cfg = self.config
+        worst = int((slots - target).argmax())
+        b, h = divmod(worst, state.num_heads)
+        budget = f"keep_ratio={cfg.keep_ratio}" if cfg.keep_ratio is not None else f"max_slots={cfg.max_slots}"
+        protected = int(self.protection(state, layer_idx)[b, h].sum())
+        return (
+            f"{budget} is infeasible for pipeline {cfg.name!r}"
+            f"{'' if layer_idx is None else f' at layer {layer_idx}'}: head (batch {b}, head {h}) "
+            f"may keep {int(target[b, h])} slots of {int(state.real_tokens()[b])} tokens but cannot go below "
+            f"{int(slots[b, h])} (protected slots: {protected}, plus what the chunker "
+            f"{cfg.chunker.name!r} keeps as anchors and one slot per chunk). Raise the budget, protect fewer "
+            f"tokens (sinks={cfg.sinks}, recent={cfg.recent}), use a coarser chunker, or set "
+            f"on_infeasible='best_effort' to accept the smallest reachable cache"
+        )

@@ -1,0 +1,117 @@
+"""Chunkers: which slots may be clustered together.
+
+A chunker returns chunk ids [B, H, N] (long): slots with the same id may merge, -1 marks slots
+that are never clustered (protected slots, anchors, padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from ..registry import register_chunker
+from ..types import KVState
+from ..validation import check_choice, check_int, require
+
+DEFAULT_DELIMITERS = (".", ",", "?", "!", "\n", "\t")
+
+
+def clusterable(state: KVState, protected: Tensor) -> Tensor:
+    """[B, H, N] bool: valid slots that are not protected."""
+    return state.valid & ~protected
+
+
+@register_chunker("global")
+@dataclass(frozen=True)
+class GlobalChunker:
+    """No chunking: every clusterable slot of a head is in one chunk (SemantiCache ablation)."""
+
+    def __call__(self, state: KVState, protected: Tensor) -> Tensor:
+        free = clusterable(state, protected)
+        return torch.where(free, 0, -1).long()
+
+
+@register_chunker("fixed")
+@dataclass(frozen=True)
+class FixedSizeChunker:
+    """Chunks of ``size`` consecutive tokens (by="tokens": original positions, so a chunk keeps
+    its boundaries across rounds) or ``size`` consecutive clusterable slots (by="slots")."""
+
+    size: int = 64
+    by: str = "tokens"
+
+    def __post_init__(self):
+        check_int("size", self.size, 1)
+        check_choice("by", self.by, ("tokens", "slots"))
+
+    def __call__(self, state: KVState, protected: Tensor) -> Tensor:
+        free = clusterable(state, protected)
+        if self.by == "tokens":
+            rel = state.positions - state.start()[:, None, None]  # [B, H, N]
+            ids = torch.div(rel.clamp(min=0), self.size, rounding_mode="floor")
+        else:
+            ids = torch.div(free.long().cumsum(-1) - 1, self.size, rounding_mode="floor")
+        return torch.where(free, ids, -1)
+
+
+@lru_cache(maxsize=16)
+def _delimiter_table(vocab: tuple[str, ...], delimiters: tuple[str, ...]) -> Tensor:
+    """[V] bool: token text contains any delimiter character."""
+    return torch.tensor([any(d in text for d in delimiters) for text in vocab], dtype=torch.bool)
+
+
+def delimiter_mask(state: KVState, delimiters: tuple[str, ...], delimiter_ids=None) -> Tensor:
+    """[B, H, N] bool: slots whose representative token is a delimiter.
+
+    Delimiter-ness comes from each token's decoded text (``state.vocab[id]``), so BPE tokens with
+    fused delimiters (".\\n", " ,", "\\n\\n") count, for any tokenizer. ``delimiter_ids`` overrides
+    the vocabulary lookup with an explicit id list.
+    """
+    require(state.token_ids is not None, "token_ids", None,
+            "token ids [B, T] in the state: the delimiter chunker decides anchors from token text")
+    ids = state.slot_token_ids()  # [B, H, N], -1 for padding
+    if delimiter_ids is not None:
+        table_ids = torch.as_tensor(list(delimiter_ids), dtype=torch.long, device=ids.device)
+        return torch.isin(ids, table_ids) & (ids >= 0)
+    require(state.vocab is not None, "vocab", None,
+            "the decoded text of every token id in the state (or delimiter_ids in the chunker's params)")
+    table = _delimiter_table(tuple(state.vocab), tuple(delimiters)).to(ids.device)
+    inside = (ids >= 0) & (ids < table.numel())
+    return table[ids.clamp(min=0, max=table.numel() - 1)] & inside
+
+
+@register_chunker("delimiter")
+@dataclass(frozen=True)
+class DelimiterChunker:
+    """SemantiCache's semantic chunks: runs of tokens between delimiter tokens.
+
+    Delimiter tokens become anchors (chunk id -1: never merged); every run between two anchors
+    is one chunk. Protected slots are left out but do not split a run.
+    delimiters:    substrings that make a token a delimiter (default . , ? ! newline tab)
+    delimiter_ids: optional explicit token ids instead of the text lookup
+    """
+
+    delimiters: tuple[str, ...] = DEFAULT_DELIMITERS
+    delimiter_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        delims = self.delimiters
+        require(isinstance(delims, (list, tuple)) and len(delims) > 0
+                and all(isinstance(d, str) and d for d in delims),
+                "delimiters", delims, "a non-empty list of non-empty strings")
+        object.__setattr__(self, "delimiters", tuple(delims))
+        if self.delimiter_ids is not None:
+            object.__setattr__(self, "delimiter_ids", tuple(int(i) for i in self.delimiter_ids))
+
+    def anchors(self, state: KVState, protected: Tensor) -> Tensor:
+        """[B, H, N] bool: delimiter slots that are not otherwise protected."""
+        return delimiter_mask(state, self.delimiters, self.delimiter_ids) & clusterable(state, protected)
+
+    def __call__(self, state: KVState, protected: Tensor) -> Tensor:
+        anchor = delimiter_mask(state, self.delimiters, self.delimiter_ids) & state.valid
+        ids = anchor.long().cumsum(-1)  # a new chunk starts after every delimiter
+        free = clusterable(state, protected) & ~anchor
+        return torch.where(free, ids, -1)
