@@ -1,3 +1,5 @@
 """Built-in strategies. Importing this package registers them."""
 
 from . import chunkers, gsc, mergers  # noqa: F401
+from . import csm  # noqa: F401
+from . import scorers, eviction, cam, d2o  # noqa: F401  (baselines)

@@ -2,12 +2,18 @@
 
 Inside each chunk, walk the slots in order; the first unassigned slot becomes a seed and absorbs
 every LATER unassigned slot of its chunk whose key cosine similarity with the SEED's key is > tau.
-One pass; clusters never cross chunks. The loop below runs over the position inside a chunk
-(at most the bucket length), never over tokens.
+One pass; clusters never cross chunks.
+
+How it is computed: a slot j is absorbed by the first seed i < j with cos(i, j) > tau, and it is a
+seed itself when no earlier seed absorbs it. So the walk only has to find the seed set; the member
+-> seed map then follows without any loop. The seed walk runs over the position inside a chunk (at
+most the bucket length, never over tokens) with two tensor ops per step on the thresholded
+similarity rows, which are materialised in blocks for all chunks, heads and thresholds at once.
 
 Budget: with ``tau=None`` a per-head threshold is searched so that each head ends with at most
-its target slots; the highest feasible tau (fewest merges) wins. The search evaluates
-``search_width`` thresholds at once per pass and narrows the bracket ``search_passes`` times.
+its target slots; the highest feasible tau found (fewest merges) wins. The search evaluates
+``search_width`` thresholds at once per pass and narrows the bracket
+``search_passes`` times; the plan reuses the seeds found for the chosen tau.
 """
 
 from __future__ import annotations
@@ -26,14 +32,118 @@ from .segments import Bucket, SegmentLayout, build_segments
 
 TAU_NO_MERGE = 1.0001  # above any cosine (rounding included): nothing merges
 TAU_MERGE_ALL = -1.0001  # below any cosine: a seed absorbs its whole chunk
+_EXCLUDED = -3.0  # similarity entry that is not a later real member: below every threshold
+ADJ_LIMIT = 1 << 26  # thresholded-similarity booleans [rows, C, S, L] materialised at once
 
 
-def _bucket_similarity(kn: Tensor, bucket: Bucket, num_slots: int, dense_limit: int) -> tuple[Tensor, Tensor | None]:
-    """Normalised keys of the bucket [S, L, D] and, when small enough, their cosines [S, L, L]."""
-    seg_keys = kn[bucket.flat_index(num_slots)]  # [S, L, D]
-    S, L, _ = seg_keys.shape
-    sims = seg_keys @ seg_keys.transpose(1, 2) if S * L * L <= dense_limit else None
-    return seg_keys, sims
+class BucketSimilarity:
+    """Cosines between the members of every segment of a bucket, by blocks of seed rows.
+
+    keys: [S, L, D] unit-norm keys of the segments' members
+    mask: [S, L] bool real members
+    rows(i0, i1) -> [i1 - i0, S, L]: cos(member i, member j) for i in [i0, i1), clamped to [-1, 1]
+    (rounding can push the cosine of identical keys above 1, and "cos > 1" must never hold), and
+    _EXCLUDED where j is not a real member later than i. Cached whole when S * L * L <= dense_limit.
+    """
+
+    def __init__(self, kn: Tensor, bucket: Bucket, num_slots: int, dense_limit: int):
+        self.keys = kn[bucket.flat_index(num_slots)]  # [S, L, D]
+        self.mask = bucket.mask
+        S, L = self.mask.shape
+        self.dense = self._compute(0, L) if S * L * L <= dense_limit else None
+        self.row_block = L if self.dense is not None else max(1, dense_limit // max(1, S * L))
+
+    def _compute(self, i0: int, i1: int) -> Tensor:
+        sims = torch.matmul(self.keys[:, i0:i1], self.keys.transpose(1, 2))  # [S, b, L]
+        sims = sims.transpose(0, 1).contiguous().clamp_(-1.0, 1.0)  # [b, S, L]
+        L = self.mask.shape[1]
+        i = torch.arange(i0, i1, device=sims.device)[:, None, None]
+        j = torch.arange(L, device=sims.device)[None, None, :]
+        later = (j > i) & self.mask[None]  # [b, S, L]
+        return sims.masked_fill_(~later, _EXCLUDED)
+
+    def rows(self, i0: int, i1: int) -> Tensor:
+        return self.dense[i0:i1] if self.dense is not None else self._compute(i0, i1)
+
+    def block(self, per_row: int) -> int:
+        """Seed rows per block when each row costs ``per_row`` booleans."""
+        return max(1, min(self.row_block, ADJ_LIMIT // max(1, per_row)))
+
+
+_WORDS = ((8, torch.int8), (16, torch.int16), (32, torch.int32), (64, torch.int64))
+
+
+def _word_layout(L: int) -> tuple[int, torch.dtype, int]:
+    """Bitset layout for L members: (bits per word, word dtype, words)."""
+    for width, dtype in _WORDS:
+        if L <= width:
+            return width, dtype, 1
+    return 64, torch.int64, (L + 63) // 64
+
+
+def _pack(bits: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """[..., L] bool -> [..., W] bitsets (member j is bit j % width of word j // width).
+
+    The top bit weighs -2**(width-1): the bits are disjoint, so the sum has no carries and no
+    partial sum overflows, in any summation order."""
+    L = bits.shape[-1]
+    W = (L + width - 1) // width
+    weights = [1 << k for k in range(width - 1)] + [-(1 << (width - 1))]
+    weights = torch.tensor(weights, dtype=dtype, device=bits.device)
+    if W == 1:
+        return (bits * weights[:L]).sum(-1, keepdim=True, dtype=dtype)
+    return (bits.reshape(*bits.shape[:-1], W, width) * weights).sum(-1, dtype=dtype)
+
+
+def _unpack(words: Tensor, width: int, L: int) -> Tensor:
+    """[..., W] bitsets -> [..., L] bool."""
+    shifts = torch.arange(width, dtype=words.dtype, device=words.device)
+    bits = (words[..., None] >> shifts) & 1  # [..., W, width]
+    return bits.reshape(*words.shape[:-1], -1)[..., :L].bool()
+
+
+def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
+    """The GSC walk for C thresholds: [C, S, L] bool, True at seeds.
+
+    tau: [C, S] threshold per segment. A slot stays unassigned until an earlier seed absorbs it,
+    and seeds are never absorbed, so the slots still unassigned after the walk are the seeds. The
+    walk keeps each segment's unassigned members as a bitset, so a step costs a handful of ops on
+    [C, S] words whatever the segment length.
+    """
+    S, L = sims.mask.shape
+    C = tau.shape[0]
+    width, dtype, W = _word_layout(L)
+    unassigned = _pack(sims.mask, width, dtype)[None].expand(C, S, W).clone()  # padding: assigned
+    thr = tau[None, :, :, None]  # [1, C, S, 1]
+    step = sims.block(C * S * L)
+    for i0 in range(0, L - 1, step):  # the last member has nobody after it
+        i1 = min(i0 + step, L - 1)
+        # [b, C, S, W]: the members that seed i would NOT absorb
+        spared = ~_pack(sims.rows(i0, i1)[:, None] > thr, width, dtype)
+        for r in range(i1 - i0):
+            w, bit = divmod(i0 + r, width)
+            not_seed = ((unassigned[:, :, w] >> bit) & 1) - 1  # [C, S]: 0 at seeds, all ones else
+            unassigned &= spared[r] | not_seed[..., None]
+    return _unpack(unassigned, width, L) & sims.mask
+
+
+def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor:
+    """[S, L] long: local index of each member's seed (the first seed i < j with cos > tau; itself
+    for seeds and padding). seeds: [S, L] bool; tau: [S]."""
+    S, L = seeds.shape
+    seed_of = torch.arange(L, device=seeds.device).expand(S, L).clone()
+    found = torch.zeros(S, L, dtype=torch.bool, device=seeds.device)
+    seed_rows = seeds.t()  # [L, S]
+    thr = tau[None, :, None]
+    step = sims.block(S * L)
+    for i0 in range(0, L - 1, step):
+        i1 = min(i0 + step, L - 1)
+        hit = (sims.rows(i0, i1) > thr) & seed_rows[i0:i1, :, None]  # [b, S, L]
+        first = hit.to(torch.uint8).argmax(0) + i0  # first seed row of this block absorbing j
+        new = hit.any(0) & ~found
+        seed_of = torch.where(new, first, seed_of)
+        found |= new
+    return seed_of
 
 
 def gsc_run(
@@ -51,7 +161,7 @@ def gsc_run(
     tau:     [C, R] thresholds
     outside: [R] long, valid slots not in any bucket (each is its own cluster)
     returns  counts [C, R] (clusters + outside slots) and, if want_plan, per bucket the local
-             seed index of every member [C, S, L]
+             seed index of every member [C, S, L] (else None per bucket)
     """
     C, R = tau.shape
     counts = outside[None, :].expand(C, R).clone()
@@ -59,27 +169,16 @@ def gsc_run(
     for b_idx, bucket in enumerate(layout.buckets):
         key = ("sim", b_idx)
         if cache is not None and key in cache:
-            seg_keys, sims = cache[key]
+            sims = cache[key]
         else:
-            seg_keys, sims = _bucket_similarity(kn, bucket, layout.num_slots, dense_limit)
+            sims = BucketSimilarity(kn, bucket, layout.num_slots, dense_limit)
             if cache is not None:
-                cache[key] = (seg_keys, sims)
-        S, L = bucket.mask.shape
-        t = tau[:, bucket.rows][..., None]  # [C, S, 1]
-        assigned = (~bucket.mask)[None].expand(C, S, L).clone()  # padding counts as assigned
-        seed_of = torch.arange(L, device=kn.device).expand(C, S, L).clone() if want_plan else None
-        seeds = torch.zeros(C, S, dtype=torch.long, device=kn.device)
-        ar = torch.arange(L, device=kn.device)
-        for i in range(L):
-            free_i = ~assigned[..., i]  # [C, S]: slot i starts a new cluster
-            sim_i = sims[:, i, :] if sims is not None else torch.einsum("sld,sd->sl", seg_keys, seg_keys[:, i])
-            absorb = (sim_i[None] > t) & ~assigned & free_i[..., None] & (ar > i)  # [C, S, L]
-            if want_plan:
-                seed_of.masked_fill_(absorb, i)
-            assigned |= absorb
-            seeds += free_i
-        counts.index_add_(1, bucket.rows, seeds)
-        plans.append(seed_of)
+                cache[key] = sims
+        t = tau[:, bucket.rows]  # [C, S]
+        seeds = bucket_seeds(sims, t)
+        counts.index_add_(1, bucket.rows, seeds.sum(-1))
+        plans.append(torch.stack([bucket_parents(sims, seeds[c], t[c]) for c in range(C)])
+                     if want_plan else None)
     return counts, plans
 
 
@@ -111,52 +210,62 @@ class GreedySeedClustering:
         R = B * H
         valid = state.valid.reshape(R, N)
         kn = F.normalize(state.keys.float(), dim=-1).reshape(R * N, D)
-        layout = build_segments(chunk_ids.reshape(R, N), min_length=2)
-        in_buckets = torch.zeros(R, dtype=torch.long, device=kn.device)
-        for bucket in layout.buckets:
-            in_buckets.index_add_(0, bucket.rows, bucket.mask.sum(1))
-        outside = valid.sum(1) - in_buckets  # [R]
+        layout = build_segments(torch.where(valid, chunk_ids.reshape(R, N), -1), min_length=2)
+        sims = [BucketSimilarity(kn, b, N, self.dense_limit) for b in layout.buckets]
+        valid_count = valid.sum(1)  # [R]
         target_rows = target.reshape(R).to(kn.device)
-        cache: dict = {}
 
         if self.tau is not None:
             tau = torch.full((R,), float(self.tau), device=kn.device)
+            seeds = [bucket_seeds(s, tau[None, b.rows])[0] for s, b in zip(sims, layout.buckets)]
         else:
-            tau = self._search(kn, layout, outside, target_rows, cache)
-        _, seeds = gsc_run(kn, layout, tau[None], outside, want_plan=True,
-                           dense_limit=self.dense_limit, cache=cache)
+            tau, seeds = self._search(layout, sims, valid_count, target_rows)
 
         slot = torch.arange(N, device=kn.device)
         parent = torch.where(valid, slot, -1).reshape(R * N).clone()
-        for bucket, seed_of in zip(layout.buckets, seeds):
-            seed_slot = bucket.slots.gather(1, seed_of[0])  # [S, L] slot index of each member's seed
+        for bucket, s, seed_mask in zip(layout.buckets, sims, seeds):
+            seed_of = bucket_parents(s, seed_mask, tau[bucket.rows])  # [S, L]
+            seed_slot = bucket.slots.gather(1, seed_of)
             flat = bucket.flat_index(N)
             parent[flat[bucket.mask]] = seed_slot[bucket.mask]
         return ClusterPlan(parent.view(B, H, N), done=True, tau=tau.view(B, H))
 
-    def _search(self, kn, layout, outside, target_rows, cache) -> Tensor:
-        """[R] highest tau per row whose cluster count fits the row's target."""
+    def _search(self, layout: SegmentLayout, sims: list, valid_count: Tensor, target_rows: Tensor):
+        """Highest feasible tau per row [R] and the seeds [S, L] of every bucket at that tau."""
         R = target_rows.numel()
-        device = kn.device
-        no_merge_count = outside + sum(
-            (torch.zeros(R, dtype=torch.long, device=device).index_add_(0, b.rows, b.mask.sum(1))
-             for b in layout.buckets), torch.zeros(R, dtype=torch.long, device=device))
+        device = target_rows.device
+        fits = valid_count <= target_rows  # rows that fit without merging keep everything
+        no_merge = torch.full((R,), TAU_NO_MERGE, device=device)
+        if not layout.buckets or bool(fits.all()):
+            return no_merge, [b.mask for b in layout.buckets]
+        # the bracket's low end is always feasible or TAU_MERGE_ALL (the fewest reachable slots:
+        # each segment collapses into its first member); its seeds are kept, not recomputed
         lo = torch.full((R,), TAU_MERGE_ALL, device=device)
-        hi = torch.full((R,), TAU_NO_MERGE, device=device)
-        if not layout.buckets:
-            return hi
+        hi = no_merge.clone()
+        lo_seeds = [torch.zeros_like(b.mask).index_fill_(1, torch.zeros(1, dtype=torch.long, device=device), True)
+                    for b in layout.buckets]
+        in_buckets = torch.zeros(R, dtype=torch.long, device=device)
+        for bucket in layout.buckets:
+            in_buckets.index_add_(0, bucket.rows, bucket.mask.sum(1))
+        outside = valid_count - in_buckets
         C = self.search_width
         frac = torch.arange(1, C + 1, device=device, dtype=torch.float32)[:, None] / (C + 1)  # [C, 1]
+        order = torch.arange(C, device=device)[:, None]
         for _ in range(self.search_passes):
-            cands = lo[None] + (hi - lo)[None] * frac  # [C, R], increasing in C
-            counts, _ = gsc_run(kn, layout, cands, outside, dense_limit=self.dense_limit, cache=cache)
-            feasible = counts <= target_rows[None]
-            # highest feasible candidate per row (counts need not be monotone in tau)
-            idx = torch.where(feasible, torch.arange(C, device=device)[:, None], -1).max(0).values  # [R]
-            has = idx >= 0
-            new_lo = torch.where(has, cands.gather(0, idx.clamp(min=0)[None])[0], lo)
-            above = (idx + 1).clamp(max=C - 1)
-            new_hi = torch.where(idx + 1 < C, cands.gather(0, above[None])[0], hi)
-            lo, hi = new_lo, new_hi
-        # rows that fit without merging keep everything
-        return torch.where(no_merge_count <= target_rows, torch.full_like(lo, TAU_NO_MERGE), lo)
+            cands = lo[None] + (hi - lo)[None] * frac  # [C, R], increasing
+            counts = outside[None, :].expand(C, R).clone()
+            all_seeds = []
+            for bucket, s in zip(layout.buckets, sims):
+                seeds = bucket_seeds(s, cands[:, bucket.rows])  # [C, S, L]
+                counts.index_add_(1, bucket.rows, seeds.sum(-1))
+                all_seeds.append(seeds)
+            # highest feasible candidate per row (counts need not be monotone in tau), -1 if none
+            idx = torch.where(counts <= target_rows[None], order, -1).max(0).values  # [R]
+            better = idx >= 0
+            pick = idx.clamp(min=0)
+            hi = torch.where(idx + 1 < C, cands.gather(0, (idx + 1).clamp(max=C - 1)[None])[0], hi)
+            lo = torch.where(better, cands.gather(0, pick[None])[0], lo)
+            lo_seeds = [torch.where(better[b.rows, None], seeds[pick[b.rows], torch.arange(len(b.rows), device=device)],
+                                    prev) for b, seeds, prev in zip(layout.buckets, all_seeds, lo_seeds)]
+        chosen = [torch.where(fits[b.rows, None], b.mask, seeds) for b, seeds in zip(layout.buckets, lo_seeds)]
+        return torch.where(fits, no_merge, lo), chosen

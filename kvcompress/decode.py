@@ -1,0 +1,222 @@
+"""Decode-time compression: when a layer exceeds its budget by g slots, compress it back.
+
+The cache appends raw tokens while generating (``append_tokens``); after each append it asks
+``DecodeCompressor.should_compress`` and, if so, swaps in ``compress``'s result. Between two
+compressions a head holds at most budget + g slots.
+
+Budget. The pipeline's keep-ratio of the tokens seen, or its fixed slot cap (max_slots). While
+few tokens have been seen, keep_ratio * T can be smaller than what the method can ever reach
+(sinks + recent window, plus one slot per chunk); the budget is then raised to that floor instead
+of failing in the middle of generation, and the report's ``target`` shows the budget used. A
+max_slots cap that can never hold the sinks plus the recent window is a ValueError up front.
+
+Cost. Each method declares a scope (the clusterer's ``decode_scope`` attribute, else the table
+``DECODE_SCOPES``, else "all"):
+
+- "tail" (SemantiCache's GSC): only slots not yet compressed are clustered. A per-row frontier in
+  ``state.extras["decode_frontier"]`` ([B] long, a token index) marks what earlier compressions
+  covered; slots before it are frozen by a guard. With the delimiter chunker the unit is the
+  chunks *completed* since the last compression: the run after the last delimiter (it continues
+  into the recent window) is frozen too and waits until a delimiter closes it. Attempts, cheapest
+  first: completed chunks, then the whole tail, then the whole cache (only when the tail alone
+  cannot meet the budget, e.g. a tail full of delimiter anchors at a low keep-ratio).
+  The clustering work is bounded by the tail; the linear bookkeeping passes over the slot
+  tensors (masks, merge scatter) remain, as for the append itself.
+- "all" (CentroidKV's CSM): the method re-clusters every clusterable slot, so old centroids keep
+  absorbing tokens; its chunked matching costs O(n c d) for n slots and chunk size c, and at
+  decode time one round usually suffices (only g + 1 slots must go).
+- unknown methods (eviction baselines, plugins) default to "all": their scores may change.
+
+A state that was compressed at prefill by a plain ``Pipeline`` has no frontier; the first
+decode-time compression then treats the whole cache as the tail (once). Use
+``DecodeCompressor.compress`` for the prefill too to avoid that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .pipeline import Pipeline
+from .registry import register_guard
+from .strategies.chunkers import DelimiterChunker, delimiter_mask
+from .types import CompressionReport, KVState
+from .validation import check_choice, require
+
+FRONTIER_KEY = "decode_frontier"  # [B] long: tokens before it were covered by a compression
+_WINDOW_KEY = "_decode_window"  # (lo [B], hi [B]): token positions a tail attempt may cluster
+_BUDGET_KEY = "_decode_budget"  # [B, H] long: the budget of this call (floor applied)
+_NO_LIMIT = torch.iinfo(torch.long).max
+
+SCOPES = ("tail", "all")
+DECODE_SCOPES = {"gsc": "tail", "csm": "all"}
+
+
+@register_guard("decode-window")
+@dataclass(frozen=True)
+class DecodeWindowGuard:
+    """Protect every slot whose position lies outside [lo, hi) of ``state.extras['_decode_window']``
+    (nothing when the key is absent). Used by DecodeCompressor's tail attempts."""
+
+    def __call__(self, state: KVState) -> Tensor:
+        window = state.extras.get(_WINDOW_KEY)
+        if window is None:
+            return torch.zeros_like(state.valid)
+        lo, hi = (w[:, None, None] for w in window)  # [B, 1, 1]
+        pos = state.positions
+        return state.valid & ((pos < lo) | (pos >= hi))
+
+
+class _BudgetedPipeline(Pipeline):
+    """A pipeline whose target is at least the per-call budget in ``state.extras['_decode_budget']``."""
+
+    def target_slots(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+        target = super().target_slots(state, layer_idx)
+        budget = state.extras.get(_BUDGET_KEY)
+        return target if budget is None else torch.maximum(target, budget.to(target.device))
+
+
+class DecodeCompressor:
+    """Budget bookkeeping for generation with one pipeline.
+
+    pipeline: the method (its config gives the budget, g = recompress_every, sinks, recent)
+    scope:    "tail", "all" or None (ask the method; see the module docstring)
+    """
+
+    def __init__(self, pipeline: Pipeline, scope: str | None = None):
+        require(isinstance(pipeline, Pipeline), "pipeline", type(pipeline).__name__, "a kvcompress.Pipeline")
+        cfg = pipeline.config
+        if cfg.max_slots is not None:
+            require(cfg.max_slots > cfg.sinks + cfg.recent, "max_slots", cfg.max_slots,
+                    f"more than sinks + recent = {cfg.sinks} + {cfg.recent} slots: generation would "
+                    f"exceed the cap with every new token")
+        if scope is None:
+            scope = getattr(pipeline.clusterer, "decode_scope", DECODE_SCOPES.get(cfg.clusterer.name, "all"))
+        check_choice("scope", scope, SCOPES)
+        self.pipeline = pipeline
+        self.scope = scope
+        self._full = _BudgetedPipeline(cfg)
+        if scope == "tail":
+            guards = tuple(cfg.guards) + ({"name": "decode-window"},)
+            self._tail = _BudgetedPipeline(cfg.replace(guards=guards, on_infeasible="best_effort"))
+
+    @property
+    def g(self) -> int:
+        return self.pipeline.config.recompress_every
+
+    # ------------------------------------------------------------------ budget
+    def floor(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+        """[B, H] long: the smallest cache one compression can surely reach: the clusterer's
+        ``min_slots(valid, chunk_ids)`` when it has one, else the slots it never clusters
+        (protected, anchors) plus one slot per chunk."""
+        protected = self.pipeline.protection(state, layer_idx)
+        chunk_ids = self.pipeline.chunker(state, protected)
+        min_slots = getattr(self.pipeline.clusterer, "min_slots", None)
+        if min_slots is not None:
+            return min_slots(state.valid, chunk_ids)
+        ids = torch.where(state.valid, chunk_ids, -1)  # [B, H, N]
+        fixed = (state.valid & (ids < 0)).sum(-1)
+        # chunk ids never decrease along the slots (Chunker protocol), so a slot opens a new chunk
+        # when its id exceeds every id before it: a linear pass instead of a sort
+        seen = torch.cat([torch.full_like(ids[..., :1], -1), ids[..., :-1].cummax(-1).values], dim=-1)
+        return fixed + ((ids >= 0) & (ids > seen)).sum(-1)
+
+    def budget(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+        """[B, H] long: the budget in generation, max(pipeline target, floor)."""
+        target = self.pipeline.target_slots(state, layer_idx)
+        return torch.maximum(target, self.floor(state, layer_idx))
+
+    def should_compress(self, state: KVState, layer_idx: int | None = None) -> bool:
+        """True when some head holds more than budget + g slots."""
+        slots = state.valid.sum(-1)  # [B, H]
+        over = slots > self.pipeline.target_slots(state, layer_idx) + self.g
+        if not bool(over.any()):
+            return False  # cheap path: the floor can only raise the budget
+        return bool((slots > self.budget(state, layer_idx) + self.g).any())
+
+    # ------------------------------------------------------------------ compression
+    def compress(self, state: KVState, layer_idx: int | None = None) -> tuple[KVState, CompressionReport]:
+        """Compress back to the budget. The state given is never modified; on BudgetError (only
+        with on_infeasible='error' and a budget the whole cache cannot meet) nothing changes."""
+        require(isinstance(state, KVState), "state", type(state).__name__, "a KVState")
+        state.validate()
+        budget = self.budget(state, layer_idx)
+        B = state.batch_size
+        device = state.keys.device
+        window_start = torch.full((B,), state.num_tokens - self.pipeline.config.recent,
+                                  dtype=torch.long, device=device).clamp(min=0)
+        frontier = state.extras.get(FRONTIER_KEY)
+        frontier = torch.zeros(B, dtype=torch.long, device=device) if frontier is None else frontier.to(device)
+        slots = state.valid.sum(-1)
+        if bool((slots <= budget).all()):
+            report = CompressionReport(
+                slots_per_head=slots, tokens_per_row=state.real_tokens(), target=budget,
+                num_slots=state.num_slots, rounds=0, budget_met=True, layer_idx=layer_idx)
+            return state, report
+
+        base = state.replace(extras={**state.extras, _BUDGET_KEY: budget})
+        if self.scope == "tail":
+            for lo, hi, new_frontier in self._tail_attempts(state, frontier, window_start):
+                if not bool((hi > lo).any()):
+                    continue
+                attempt = base.replace(extras={**base.extras, _WINDOW_KEY: (lo, hi)})
+                out, report = self._tail.compress(attempt, layer_idx)
+                if report.budget_met:
+                    return self._finish(out, torch.maximum(frontier, new_frontier)), report
+        out, report = self._full.compress(base, layer_idx)
+        return self._finish(out, torch.maximum(frontier, window_start)), report
+
+    def _tail_attempts(self, state: KVState, frontier: Tensor, window_start: Tensor):
+        """(lo, hi, new frontier) per attempt, each [B] long: clusterable positions [lo, hi)."""
+        unlimited = torch.full_like(frontier, _NO_LIMIT)
+        chunker = self.pipeline.chunker
+        if isinstance(chunker, DelimiterChunker) and state.token_ids is not None:
+            # the run after the last delimiter before the recent window is still open
+            delim = delimiter_mask(state, chunker.delimiters, chunker.delimiter_ids)  # [B, H, N]
+            pos = state.positions
+            inside = delim & (pos >= frontier[:, None, None]) & (pos < window_start[:, None, None])
+            last = torch.where(inside, pos, -1).amax(dim=(1, 2))  # [B]
+            open_start = torch.where(last >= 0, last + 1, frontier)
+            yield frontier, open_start, open_start
+        yield frontier, unlimited, window_start
+
+    @staticmethod
+    def _finish(state: KVState, frontier: Tensor) -> KVState:
+        extras = {k: v for k, v in state.extras.items() if k not in (_WINDOW_KEY, _BUDGET_KEY)}
+        extras[FRONTIER_KEY] = frontier
+        return state.replace(extras=extras)
+
+
+def append_tokens(state: KVState, keys: Tensor, values: Tensor, token_ids: Tensor | None = None) -> KVState:
+    """Append q new raw tokens (size 1 each) after the state's slots.
+
+    keys, values: [B, H, q, D]; token_ids: [B, q] or None
+    """
+    B, H, q, D = keys.shape
+    require((B, H, D) == (state.batch_size, state.num_heads, state.head_dim), "keys", tuple(keys.shape),
+            f"shape ({state.batch_size}, {state.num_heads}, q, {state.head_dim})")
+    require(tuple(values.shape) == tuple(keys.shape), "values", tuple(values.shape), f"the keys' shape {tuple(keys.shape)}")
+    T = state.num_tokens
+    pos = torch.arange(T, T + q, device=keys.device).expand(B, H, q)
+    new_ids = state.token_ids
+    if state.token_ids is not None:
+        add = token_ids if token_ids is not None else torch.full((B, q), -1, dtype=torch.long, device=keys.device)
+        require(tuple(add.shape) == (B, q), "token_ids", tuple(add.shape), f"shape {(B, q)}")
+        new_ids = torch.cat([state.token_ids[:, :T], add.to(state.token_ids)], dim=1)
+    protected = state.protected
+    if protected is not None:
+        protected = torch.cat([protected, protected.new_zeros(B, H, q)], dim=-1)
+    extras = {}
+    for name, x in state.extras.items():
+        if isinstance(x, Tensor) and tuple(x.shape[:3]) == (B, H, state.num_slots):
+            x = torch.cat([x, x.new_zeros(B, H, q, *x.shape[3:])], dim=2)  # new slots start at 0
+        extras[name] = x
+    return state.replace(
+        keys=torch.cat([state.keys, keys.to(state.keys.dtype)], dim=2),
+        values=torch.cat([state.values, values.to(state.values.dtype)], dim=2),
+        log_sizes=torch.cat([state.log_sizes, state.log_sizes.new_zeros(B, H, q)], dim=-1),
+        positions=torch.cat([state.positions, pos], dim=-1),
+        num_tokens=T + q, token_ids=new_ids, protected=protected, extras=extras,
+    )

@@ -1,0 +1,23 @@
+"""transformers integration: a compressed Cache and proportional attention implementations.
+
+The only package of kvcompress that imports transformers. Nothing is patched at import time:
+
+    from kvcompress.hf import CompressedCache
+    cache = CompressedCache.for_model(model, tokenizer, "semanticache", keep_ratio=0.5)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+
+``register_attention()`` registers "kvcompress", "kvcompress_flex" and "kvcompress_bias" with
+transformers (``for_model`` does it for you).
+"""
+
+from .attention import attention_received, compile_count, register_attention, resolve_backend
+from .cache import CompressedCache
+from .layer import CompressedLayer
+from .support import ATTN_AUTO, ATTN_BIAS, ATTN_FLEX, ATTN_NAMES, ModelGeometry, check_supported
+from .vocab import token_texts
+
+__all__ = [
+    "CompressedCache", "CompressedLayer", "register_attention", "resolve_backend", "compile_count",
+    "attention_received", "token_texts", "check_supported", "ModelGeometry", "ATTN_AUTO", "ATTN_FLEX",
+    "ATTN_BIAS", "ATTN_NAMES",
+]

