@@ -6,8 +6,9 @@ compressions a head holds at most budget + g slots.
 
 Budget. The pipeline's keep-ratio of the tokens seen, or its fixed slot cap (max_slots). While
 few tokens have been seen, keep_ratio * T can be smaller than what the method can ever reach
-(sinks + recent window, plus one slot per chunk); the budget is then raised to that floor instead
-of failing in the middle of generation, and the report's ``target`` shows the budget used. A
+(sinks + recent window + anchors, plus one slot per chunk, or the clusterer's own ``min_slots``:
+one centroid for CSM, whose rounds re-cut chunks); the budget is then raised to that floor instead
+of failing in the middle of a generation, and the report's ``target`` shows the budget used. A
 max_slots cap that can never hold the sinks plus the recent window is a ValueError up front.
 
 Cost. Each method declares a scope (the clusterer's ``decode_scope`` attribute, else the table
@@ -34,6 +35,7 @@ decode-time compression then treats the whole cache as the tail (once). Use
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +132,14 @@ class DecodeCompressor:
 
     def should_compress(self, state: KVState, layer_idx: int | None = None) -> bool:
         """True when some head holds more than budget + g slots."""
+        cfg = self.pipeline.config
+        if cfg.max_slots is not None:
+            lower = cfg.max_slots
+        else:  # the smallest row's target; left padding only shrinks a row
+            padding = 0 if state.seq_start is None else int(state.seq_start.max())
+            lower = max(1, math.floor((state.num_tokens - padding) * cfg.keep_ratio + 1e-9))
+        if state.num_slots <= lower + self.g:
+            return False  # called every step: decide from Python ints when the tensor is small enough
         slots = state.valid.sum(-1)  # [B, H]
         over = slots > self.pipeline.target_slots(state, layer_idx) + self.g
         if not bool(over.any()):

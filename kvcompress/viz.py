@@ -34,6 +34,7 @@ from .types import CompressionReport, KVState
 from .validation import check_int, require
 
 MEMBER_KEY = "_viz_members"  # the one-hot membership extra carried through compression
+MAX_MEMBER_BYTES = 2 << 30  # [H, N, N] float32 membership: N = 8192 with 8 KV heads fits
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -72,7 +73,8 @@ class ClusterView:
     slot_of:      [T] long  slot of the compressed cache that stands for the token (-1 = dropped,
                             -2 = membership unknown)
     rep_position: [T] long  token position of that slot's representative (-1 if none)
-    cluster_size: [T] long  tokens the slot stands for (0 if dropped)
+    cluster_size: [T] long  tokens shown in that slot (0 if dropped); the slot's size for
+                            mean-style merges (a CaM slot may also hold shares of others)
     roles:        T strings among ROLES
     """
 
@@ -140,7 +142,14 @@ def cluster_view(
     arange = torch.arange(N, device=state.keys.device)
     require(state.num_tokens == N and bool((state.positions == arange).all()), "state", "a compressed or padded state",
             "an uncompressed, unpadded state (KVState.from_raw without attention_mask): slot n = token n")
+    member_bytes = H * N * N * 4
+    require(member_bytes <= MAX_MEMBER_BYTES, "state", f"{N} tokens x {H} heads",
+            f"at most {MAX_MEMBER_BYTES >> 30} GiB of membership tracking (H * N * N float32); "
+            f"visualise fewer tokens")
     state = _row(state, batch)
+    if texts is None:
+        texts = _texts_from_state(state)
+    require(len(texts) == N, "texts", f"{len(texts)} strings", f"one string per token ({N})")
 
     protected = pipeline.protection(state, layer_idx)  # [1, H, N]
     chunk_ids = pipeline.chunker(state, protected)  # [1, H, N]
@@ -151,18 +160,21 @@ def cluster_view(
     compressed, report = pipeline.compress(tracked, layer_idx)
 
     members = compressed.extras.get(MEMBER_KEY)
-    if isinstance(members, Tensor) and tuple(members.shape) == (1, H, compressed.num_slots, N):
-        m = members[0, head] > 0.5  # [M, N]: slot m stands for token n
-        covered = m.any(0)
-        slot_of = torch.where(covered, m.float().argmax(0), -1)
+    M = compressed.num_slots
+    if isinstance(members, Tensor) and tuple(members.shape) == (1, H, M, N):
+        # share of token n held by slot m: 1 or 0 for mean-style merges; CaM spreads a merged
+        # value over several slots, and the token is shown with the slot holding most of it
+        m = members[0, head]  # [M, N]
+        covered = m.amax(0) > 0
+        slot_of = torch.where(covered, m.argmax(0), -1)
     else:  # a strategy that rebuilt the state without the extra: only representatives are known
         slot_of = torch.full((N,), -2, dtype=torch.long, device=state.keys.device)
         pos = compressed.positions[0, head]
         ok = pos >= 0
-        slot_of[pos[ok]] = torch.arange(compressed.num_slots, device=pos.device)[ok]
-    sizes = torch.round(compressed.log_sizes[0, head].exp()).long()  # [M]
+        slot_of[pos[ok]] = torch.arange(M, device=pos.device)[ok]
     safe = slot_of.clamp(min=0)
-    cluster_size = torch.where(slot_of >= 0, sizes[safe], 0)
+    counts = torch.bincount(slot_of[slot_of >= 0], minlength=M)  # [M] tokens shown per slot
+    cluster_size = torch.where(slot_of >= 0, counts[safe], 0)
     rep_position = torch.where(slot_of >= 0, compressed.positions[0, head][safe], -1)
 
     cfg = pipeline.config
@@ -186,9 +198,6 @@ def cluster_view(
         else:
             roles.append("kept")
 
-    if texts is None:
-        texts = _texts_from_state(state)
-    require(len(texts) == N, "texts", f"{len(texts)} strings", f"one string per token ({N})")
     report_dict = report.to_dict()
     report_dict.pop("tau", None)
     if report.tau is not None:

@@ -80,7 +80,7 @@ def _generate(model, preset, **overrides):
     cache = CompressedCache.for_model(model, None, preset, backend="sdpa", **overrides)
     try:
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+            out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=6,
                                  do_sample=False, pad_token_id=0)
     finally:
         cache.close()

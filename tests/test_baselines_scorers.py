@@ -104,6 +104,21 @@ def test_attention_scorer_matches_loops(proportional):
     torch.testing.assert_close(got.double(), ref_window_attention(state, q, proportional), atol=1e-5, rtol=1e-5)
 
 
+def test_attention_scorer_mean_divides_by_the_queries_that_see_each_slot():
+    state = make_state(N=10)
+    q = torch.randn(2, 4, 3, 4, generator=torch.Generator().manual_seed(6))
+    got = SCORERS.create("attention", {"reduce": "mean"})(state.replace(extras={"queries": q}))
+    total = ref_window_attention(state, q)
+    start = state.start()
+    for b in range(2):
+        for h in range(2):
+            for n in range(10):
+                pos = int(state.positions[b, h, n])
+                seeing = sum(2 for w in range(3) if pos <= 10 - 3 + w and 10 - 3 + w >= int(start[b]))  # G = 2
+                expect = float(total[b, h, n]) / max(seeing, 1)
+                assert abs(float(got[b, h, n]) - expect) < 1e-5
+
+
 def test_snapkv_window_field_uses_the_last_queries():
     state = make_state()
     q = torch.randn(2, 4, 6, 4)
@@ -169,7 +184,7 @@ def test_missing_statistics_are_clear_errors():
 
 @pytest.mark.parametrize("name,params", [
     ("snapkv", {"kernel_size": 4}), ("snapkv", {"pooling": "min"}), ("snapkv", {"window": 0}),
-    ("h2o", {"scale": -1.0}), ("random", {"seed": -1}), ("snapkv", {"bogus": 1}),
+    ("h2o", {"scale": -1.0}), ("random", {"seed": -1}), ("snapkv", {"bogus": 1}), ("attention", {"reduce": "max"}),
 ])
 def test_bad_parameters(name, params):
     with pytest.raises(ValueError):

@@ -100,14 +100,22 @@ class CompressedCache(Cache):
 
     # ------------------------------------------------------------------ construction for a model
     @classmethod
-    def for_model(cls, model, tokenizer=None, pipeline="semanticache", *, backend: str = "auto",
+    def for_model(cls, model, tokenizer=None, pipeline="semanticache", *, backend: str = "auto", vocab=None,
                   **overrides) -> "CompressedCache":
         """A cache bound to ``model``: checks the model is supported, registers and selects the
         "kvcompress" attention implementation, and installs the hooks that record token ids and
-        padding. The hooks are removed by ``close()`` or when the cache is garbage-collected."""
+        padding. The hooks are removed by ``close()`` or when the cache is garbage-collected.
+
+        tokenizer: gives the decoded text of every token id (built once per tokenizer) for
+                   text-aware chunkers; ``vocab`` (a sequence of strings) overrides it
+        pipeline:  preset name, dict, PipelineConfig or Pipeline; None = no compression
+        overrides: PipelineConfig fields (keep_ratio=0.5, recent=64, ...) for the pipeline
+        """
         check_supported(model)
         geometry = ModelGeometry.of(model)
-        cache = cls(pipeline, num_layers=geometry.num_layers, vocab=token_texts(tokenizer), backend=backend,
+        if vocab is None:
+            vocab = token_texts(tokenizer)
+        cache = cls(pipeline, num_layers=geometry.num_layers, vocab=vocab, backend=backend,
                     geometry=geometry, **overrides)
         cache.bind(model)
         return cache

@@ -67,7 +67,7 @@ def _cam(name: str, proportional: bool) -> PipelineConfig:
     return PipelineConfig(
         name=name, keep_ratio=DEFAULT_KEEP_RATIO, sinks=STREAMING_SINKS, recent=0,
         chunker=StrategySpec("global"),
-        clusterer=StrategySpec("cam", {"scorer": {"name": "recency"}, "merge_scorer": {"name": "attention"},
+        clusterer=StrategySpec("cam", {"scorer": {"name": "recency"}, "merge_scorer": {"name": "attention", "params": {"reduce": "mean"}},
                                        "span": CAM_SPAN, "merge_rule": "bernoulli", "seed": 0}),
         merger=StrategySpec("cam", {"proportional": proportional}),
         query_window=CAM_WINDOW, proportional_attention=proportional,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..config import StrategySpec
 from ..protocols import ClusterPlan
 from ..registry import register_clusterer, register_merger
 from ..types import NEG_INF, KVState
@@ -45,9 +46,9 @@ class CaMClusterer(EvictClusterer):
 
     scorer:       eviction scorer (default "recency": sinks + recent window, as StreamingLLM)
     recent_share: as ``evict``
-    merge_scorer: attention scorer for the merge probability (default "attention": attention
-                  from the captured query window, which every query of the window spreads over
-                  the whole cache before it; CaM uses the current query's attention)
+    merge_scorer: attention scorer for the merge probability (default: "attention" with
+                  reduce="mean", the mean attention from the captured queries that see the slot;
+                  CaM uses the current query's attention)
     span:         kept slots an evicted value is spread over (CaM's merge budget, 32 in its code)
     merge_rule:   "bernoulli" (the paper: merge with probability p_e), "threshold" (merge when
                   p_e >= threshold; the authors' deterministic variant uses p_e > 1) or "always"
@@ -57,7 +58,7 @@ class CaMClusterer(EvictClusterer):
 
     scorer: Any = "recency"
     recent_share: float = 0.0
-    merge_scorer: Any = "attention"
+    merge_scorer: Any = StrategySpec("attention", {"reduce": "mean"})
     span: int = 32
     merge_rule: str = "bernoulli"
     threshold: float = 1.0

@@ -31,7 +31,7 @@ from ..registry import register_chunker, register_clusterer
 from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
 from .chunkers import FixedSizeChunker
-from .partitions import PARTITIONS, compact, split_ab
+from .partitions import PARTITIONS, ab_indices
 from .segments import build_segments
 
 # r_j * n is rounded up, and a product like 0.3 * 10 lands a hair above 3 in floating point.
@@ -87,15 +87,14 @@ def match_edges(keys: Tensor, chunk_ids: Tensor, valid: Tensor, partition: str =
     rows, srcs, dsts, scores = [], [], [], []
     for bucket in layout.buckets:
         S, L = bucket.mask.shape
-        is_a = split_ab(bucket.mask, partition, generator)  # [S, L]
-        a_idx, a_ok = compact(is_a, L // 2)  # [S, La]
-        b_idx, b_ok = compact(bucket.mask & ~is_a, (L + 1) // 2)  # [S, Lb]
+        a_idx, a_ok, b_idx, b_ok = ab_indices(bucket.mask, partition, generator)  # [S, La], [S, Lb]
         base = bucket.rows[:, None] * N
         a_flat = base + bucket.slots.gather(1, a_idx)  # [S, La] index into [R * N]
         b_flat = base + bucket.slots.gather(1, b_idx)  # [S, Lb]
+        # padded B columns repeat the segment's first B: whichever copy wins, the edge points to
+        # a real B slot, and no mask pass over the similarities is needed
+        b_flat = torch.where(b_ok, b_flat, b_flat[:, :1])
         sim = kn[a_flat] @ kn[b_flat].transpose(1, 2)  # [S, La, Lb]
-        if not bool(b_ok.all()):
-            sim.masked_fill_(~b_ok[:, None, :], float("-inf"))
         best, arg = sim.max(-1)  # [S, La]; first maximum on ties
         pick = a_ok.flatten().nonzero().squeeze(1)
         a_sel = a_flat.flatten()[pick]
@@ -110,14 +109,16 @@ def match_edges(keys: Tensor, chunk_ids: Tensor, valid: Tensor, partition: str =
 
 
 def rank_within_rows(row: Tensor, score: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
-    """Order edges by row, then by descending score (stable), and number them inside each row.
+    """Order edges by row, then by descending score (ties keep their order), and number them
+    inside each row.
 
-    row, score: [E]
+    row, score: [E] (scores are cosines, in [-1, 1])
     returns order [E] (a permutation of the edges) and rank [E] (0 = best edge of its row,
     indexed like ``order``)
     """
-    by_score = score.argsort(descending=True, stable=True)
-    order = by_score[row[by_score].argsort(stable=True)]
+    # one sort on a composite key: rows 4 apart, 1 - cosine in [0, 2] inside a row (exact in float64)
+    key = row.double() * 4.0 + (1.0 - score.double().clamp(-1.0, 1.0))
+    order = key.argsort(stable=True)
     counts = torch.bincount(row, minlength=num_rows)
     starts = counts.cumsum(0) - counts
     rank = torch.arange(row.numel(), device=row.device) - starts[row[order]]

@@ -7,6 +7,7 @@ rounds identically and proportional attention adds log(size) for both.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,11 @@ from torch import Tensor
 from ..registry import register_merger
 from ..types import NEG_INF, KVState
 from ..validation import check_choice, require
+
+
+def _flat_rows(x: Tensor) -> Tensor:
+    """[B, H, N, *E] -> [B * H * N, prod(E)] (also when N == 0)."""
+    return x.reshape(x.shape[0] * x.shape[1] * x.shape[2], math.prod(x.shape[3:]))
 
 
 def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") -> KVState:
@@ -29,12 +35,14 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
                with slots of log-size -inf, zero keys/values and position -1.
 
     The mean is computed as rep + sum(w * (member - rep)) / sum(w): a singleton or a cluster of
-    identical members comes out bit-for-bit equal to its representative.
+    identical members comes out bit-for-bit equal to its representative. Work is done on flat
+    rows (index_add / index_select of whole [D] rows), only for the slots that actually merge.
     """
     keys, values = state.keys, state.values
     B, H, N, D = keys.shape
     require(tuple(parent.shape) == (B, H, N), "parent", tuple(parent.shape), f"shape {(B, H, N)}")
-    slot = torch.arange(N, device=keys.device)
+    device = keys.device
+    slot = torch.arange(N, device=device)
     kept = parent >= 0  # [B, H, N]
     safe_parent = parent.clamp(min=0)
     is_rep = parent == slot
@@ -43,52 +51,62 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
             "a plan whose target is not a representative", "parent[parent[n]] == parent[n]")
 
     out_index = is_rep.long().cumsum(-1) - 1  # [B, H, N] output slot of each representative
-    M = int(is_rep.sum(-1).max()) if N else 0
-    trash = M  # dropped slots scatter into one extra slot that is sliced away
-    dest = torch.where(kept, out_index.gather(-1, safe_parent), torch.full_like(parent, trash))
+    M = int(out_index[..., -1].max()) + 1 if N else 0
+    row_base = torch.arange(B * H, device=device)[:, None]  # [R, 1]
+    # flat row index (into [R * M]) of every representative, and of every member merged into one
+    rep_src = is_rep.view(-1).nonzero().squeeze(1)  # [K] into [R * N]
+    rep_out = (row_base * M + out_index.view(B * H, N)).view(-1)[rep_src]  # [K]
+    merged = kept & ~is_rep
+    mem_src = merged.view(-1).nonzero().squeeze(1)  # [Q]
+    mem_rep = (row_base * N + safe_parent.view(B * H, N)).view(-1)[mem_src]  # [Q] its representative
+    mem_out = (row_base * M + out_index.view(B * H, N)).view(-1)[mem_rep]  # [Q]
 
-    sizes = state.log_sizes.exp().masked_fill(~kept, 0.0)  # [B, H, N] float32
-    weights = sizes if weighting == "size" else kept.float()
-    rep_dest = torch.where(is_rep, out_index, torch.full_like(parent, trash))
-
-    def scatter_rows(x: Tensor, index: Tensor, reduce_add: bool) -> Tensor:
-        # x: [B, H, N, *E] -> [B, H, M + 1, *E]
-        extra = x.shape[3:]
-        idx = index.view(B, H, N, *([1] * len(extra))).expand_as(x)
-        out = x.new_zeros(B, H, M + 1, *extra)
-        return out.scatter_add_(2, idx, x) if reduce_add else out.scatter_(2, idx, x)
-
-    sum_w = scatter_rows(weights, dest, True)  # [B, H, M+1]
-    members = scatter_rows(kept.float(), dest, True)  # [B, H, M+1]
-    singleton = members <= 1
+    sizes = state.log_sizes.exp().view(-1)  # [R * N] float32 (0 for padding)
+    if weighting == "size":
+        w_rep, w_mem = sizes[rep_src], sizes[mem_src]
+    else:
+        w_rep = torch.ones(rep_src.numel(), device=device)
+        w_mem = torch.ones(mem_src.numel(), device=device)
+    sum_w = torch.zeros(B * H * M, device=device).index_copy_(0, rep_out, w_rep).index_add_(0, mem_out, w_mem)
 
     def mean_of(x: Tensor) -> Tensor:
-        rep_x = x.gather(2, safe_parent[..., None].expand_as(x))  # the representative's row per slot
-        delta = (x.float() - rep_x.float()) * weights[..., None]
-        shift = scatter_rows(delta, dest, True) / sum_w.clamp(min=1e-30)[..., None]
-        base = scatter_rows(x, rep_dest, False)
-        return (base.float() + shift).to(x.dtype)
+        flat = _flat_rows(x)
+        out = flat.new_zeros(B * H * M, flat.shape[1]).index_copy_(0, rep_out, flat.index_select(0, rep_src))
+        if mem_src.numel() == 0:
+            return out.view(B, H, M, *x.shape[3:])
+        delta = (flat.index_select(0, mem_src).float() - flat.index_select(0, mem_rep).float()) * w_mem[:, None]
+        shift = torch.zeros(B * H * M, flat.shape[1], device=device).index_add_(0, mem_out, delta)
+        shift /= sum_w.clamp(min=1e-30)[:, None]
+        return (out.float() + shift).to(x.dtype).view(B, H, M, *x.shape[3:])
 
-    new_keys = mean_of(keys)[:, :, :M]
-    new_values = mean_of(values)[:, :, :M]
+    new_keys = mean_of(keys)
+    new_values = mean_of(values)
 
-    total = scatter_rows(sizes, dest, True)
-    rep_log = scatter_rows(state.log_sizes.masked_fill(~kept, 0.0), rep_dest, False)
-    log_sizes = torch.where(singleton, rep_log, total.clamp(min=1e-30).log())
-    occupied = scatter_rows(is_rep.float(), rep_dest, True) > 0
-    log_sizes = log_sizes.masked_fill(~occupied, NEG_INF)[:, :, :M]
+    def gather_reps(x: Tensor, fill) -> Tensor:
+        # x: [B, H, N] -> the representatives' entries [B, H, M], `fill` where no representative
+        out = torch.full((B * H * M,), fill, dtype=x.dtype, device=device)
+        return out.index_copy_(0, rep_out, x.reshape(-1)[rep_src]).view(B, H, M)
 
-    positions = scatter_rows(state.positions + 1, rep_dest, False)[:, :, :M] - 1  # 0 -> -1 for padding
-    protected = None
-    if state.protected is not None:
-        protected = scatter_rows(state.protected, rep_dest, False)[:, :, :M]
+    total = torch.zeros(B * H * M, device=device).index_copy_(0, rep_out, sizes[rep_src])
+    total.index_add_(0, mem_out, sizes[mem_src])
+    has_members = torch.zeros(B * H * M, dtype=torch.bool, device=device)
+    has_members[mem_out] = True
+    # singletons keep their log-size bit for bit; empty output slots stay -inf
+    log_sizes = gather_reps(state.log_sizes, NEG_INF)
+    log_sizes = torch.where(has_members.view(B, H, M), total.view(B, H, M).log(), log_sizes)
+
+    positions = gather_reps(state.positions, -1)
+    protected = None if state.protected is None else gather_reps(state.protected, False)
 
     extras = {}
+    kept_src = kept.view(-1).nonzero().squeeze(1)
+    kept_out = (row_base * M + out_index.view(B * H, N).gather(1, safe_parent.view(B * H, N))).view(-1)[kept_src]
     for name, x in state.extras.items():
         if isinstance(x, Tensor) and tuple(x.shape[:3]) == (B, H, N):
             # per-slot statistics (e.g. accumulated attention) add up over members
-            extras[name] = scatter_rows(x.masked_fill(~kept.view(B, H, N, *([1] * (x.dim() - 3))), 0),
-                                        dest, True)[:, :, :M]
+            flat = _flat_rows(x)
+            acc = flat.new_zeros(B * H * M, flat.shape[1]).index_add_(0, kept_out, flat.index_select(0, kept_src))
+            extras[name] = acc.view(B, H, M, *x.shape[3:])
         else:
             extras[name] = x
     return state.replace(keys=new_keys, values=new_values, log_sizes=log_sizes.contiguous(),

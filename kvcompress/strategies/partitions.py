@@ -40,6 +40,32 @@ def split_ab(mask: Tensor, partition: str, generator: torch.Generator | None = N
     raise ValueError(f"partition={partition!r} is invalid: expected one of {list(PARTITIONS)}")
 
 
+def ab_indices(mask: Tensor, partition: str, generator: torch.Generator | None = None):
+    """Local indices of each segment's A and B members, left-aligned.
+
+    mask:    [S, L] bool, real members (a prefix of each row)
+    returns  a_idx [S, L // 2], a_ok [S, L // 2], b_idx [S, (L + 1) // 2], b_ok [S, (L + 1) // 2]
+             (index 0 where not ok); members keep their chunk order inside A and inside B
+    """
+    S, L = mask.shape
+    device = mask.device
+    n = mask.sum(1, keepdim=True)  # [S, 1]
+    ja = torch.arange(L // 2, device=device)[None, :]
+    jb = torch.arange((L + 1) // 2, device=device)[None, :]
+    if partition == "alternating":  # closed form: A = 1, 3, 5, ...; B = 0, 2, 4, ...
+        a_idx, b_idx = (2 * ja + 1).expand(S, -1), (2 * jb).expand(S, -1)
+        a_ok, b_ok = a_idx < n, b_idx < n
+    elif partition == "contiguous":  # A = 0 .. n//2 - 1; B = n//2 .. n - 1
+        half = n // 2
+        a_idx, b_idx = ja.expand(S, -1), half + jb
+        a_ok, b_ok = a_idx < half, b_idx < n
+    else:
+        is_a = split_ab(mask, partition, generator)
+        a_idx, a_ok = compact(is_a, L // 2)
+        b_idx, b_ok = compact(mask & ~is_a, (L + 1) // 2)
+    return a_idx.masked_fill(~a_ok, 0), a_ok, b_idx.masked_fill(~b_ok, 0), b_ok
+
+
 def compact(members: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """Local indices of the selected members of each segment, in order, left-aligned.
 

@@ -28,6 +28,8 @@ from ..validation import check_choice, check_int, require
 QUERIES = "queries"  # state.extras key: [B, H_q, W, D] last queries of the layer
 ATTN_ACC = "attn_acc"  # state.extras key: [B, H_kv, N] attention accumulated while decoding
 
+REDUCTIONS = ("sum", "mean")
+
 # logits materialised at once by window_attention (elements); larger layers loop over KV heads
 _BLOCK_ELEMENTS = 1 << 25
 
@@ -61,9 +63,11 @@ def window_attention(
     queries: Tensor,
     scale: float | None = None,
     proportional: bool = True,
+    reduce: str = "sum",
 ) -> Tensor:
     """Attention each slot receives from the captured queries, summed over queries and over the
-    query heads of each KV group.
+    query heads of each KV group (reduce="sum"), or averaged over the queries that can see the
+    slot (reduce="mean": no bias against the slots inside the window, which fewer queries see).
 
     state:   keys [B, H, N, D], log_sizes [B, H, N], positions [B, H, N]
     queries: [B, H_q, W, D], the queries of the last W tokens (positions T - W .. T - 1)
@@ -71,6 +75,7 @@ def window_attention(
              position <= query position, padding excluded) with log(size) added to the logits
              when ``proportional``; queries on left padding count for nothing.
     """
+    check_choice("reduce", reduce, REDUCTIONS)
     keys = state.keys
     B, H, N, D = keys.shape
     Hq, W = queries.shape[1], queries.shape[2]
@@ -94,6 +99,9 @@ def window_attention(
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query seeing nothing gives 0
         probs = probs * q_real[:, None, None, :, None]
         out[:, hs] = probs.sum(dim=(2, 3))
+    if reduce == "mean":
+        seen = (visible & (q_real[:, None, :, None] > 0)).sum(2) * G  # [B, H, N] queries seeing a slot
+        out = out / seen.clamp(min=1)
     return out
 
 
@@ -141,29 +149,32 @@ class RandomScorer:
 @register_scorer("attention")
 @dataclass(frozen=True)
 class WindowAttentionScorer:
-    """Attention received from the captured query window (the last W queries), summed over the
-    window and the query heads of each KV group; no pooling. Every query sees the whole cache
-    before it, so unlike accumulated attention it has no bias towards early tokens (CaM's
-    relative attention uses it).
+    """Attention received from the captured query window (the last W queries), over the window
+    and the query heads of each KV group; no pooling. Unlike attention accumulated over a whole
+    prompt it is not biased towards early tokens (CaM's relative attention uses it, averaged).
 
     window:       queries used (None = all the cache captured, i.e. PipelineConfig.query_window)
+    reduce:       "sum" over queries and group heads, or "mean" over the queries that can see the
+                  slot (slots inside the window are seen by fewer queries; CaM uses "mean")
     proportional: add log(size) to the logits
     scale:        logit scale (None = 1/sqrt(head_dim))
     """
 
     window: int | None = None
+    reduce: str = "sum"
     proportional: bool = True
     scale: float | None = None
 
     def __post_init__(self):
         if self.window is not None:
             check_int("window", self.window, 1)
+        check_choice("reduce", self.reduce, REDUCTIONS)
         require(isinstance(self.proportional, bool), "proportional", self.proportional, "True or False")
         _check_scale(self.scale)
 
     def __call__(self, state: KVState) -> Tensor:
         q = captured_queries(state, self.window, "attention")
-        return window_attention(state, q, self.scale, self.proportional)
+        return window_attention(state, q, self.scale, self.proportional, self.reduce)
 
 
 @register_scorer("snapkv")

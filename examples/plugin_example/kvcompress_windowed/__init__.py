@@ -19,7 +19,8 @@ __all__ = ["WindowedAverage", "runs_of", "slots_after"]
 
 
 def runs_of(chunk_ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Runs of consecutive clusterable slots sharing a chunk id, per row.
+    """Runs of consecutive clusterable slots sharing a chunk id, per row (slots with chunk id -1
+    are skipped: a run continues across them).
 
     chunk_ids: [R, N] long (-1 = not clusterable); valid: [R, N] bool
     returns    order [R, N] long  (clusterable slots first, in slot order: a compaction),
@@ -62,15 +63,28 @@ class WindowedAverage:
     window: slots per run (>= 1), or None to pick, per KV head, the smallest window whose result
             meets the head's target (bisection; the slot count only falls as the window grows)
 
-    Position-only: it never looks at keys. A run never crosses a chunk, a protected slot or an
-    anchor (those have chunk id -1 and end the run).
+    Position-only: it never looks at keys. A run never crosses a chunk; slots the chunker left out
+    (protected slots, anchors: chunk id -1) are skipped, as chunkers skip them, and stay as they are.
     """
 
     window: int | None = None
 
+    # optional hook for decode-time compression: re-cluster every clusterable slot (the windows
+    # are cut afresh each time); "tail" would freeze what earlier compressions produced
+    decode_scope = "all"
+
     def __post_init__(self):
         if self.window is not None:
             check_int("window", self.window, 1)
+
+    def min_slots(self, valid: Tensor, chunk_ids: Tensor) -> Tensor:
+        """Optional hook: [B, H] fewest slots one call can reach (one slot per run, or
+        ceil(run / window) per run for a fixed window); decode-time budgets never go below it."""
+        B, H, N = valid.shape
+        _, _, run = runs_of(chunk_ids.reshape(B * H, N), valid.reshape(B * H, N))
+        outside = valid.reshape(B * H, N).sum(1) - (run >= 0).sum(1)
+        window = torch.full((B * H,), self.window or max(N, 1), dtype=torch.long, device=valid.device)
+        return slots_after(run, window, outside).view(B, H)
 
     def __call__(self, state: KVState, chunk_ids: Tensor, target: Tensor, round_idx: int = 0) -> ClusterPlan:
         B, H, N, _ = state.keys.shape
