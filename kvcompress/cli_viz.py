@@ -84,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
     text = args.text if args.text is not None else args.file.read_text(encoding="utf-8")
     overrides = parse_overrides(args.set, args.keep_ratio, args.max_slots)
     model, tokenizer = load_model(args.model, args.gguf_file)
+    label = "SmolLM2-135M-Instruct" if args.model in (None, "smollm2") else Path(args.model).name
+    method = Path(args.preset).stem if args.preset.endswith(".json") else args.preset
+    title = args.title or f"What {method} merged: {label}, layer {args.layer}, KV head {args.head}"
     view = visualize_text(model, tokenizer, text, config=args.preset, layer_idx=args.layer, head=args.head,
-                          max_tokens=args.max_tokens, html_path=args.html, png_path=None, title=args.title,
+                          max_tokens=args.max_tokens, html_path=args.html, png_path=None, title=title,
                           **overrides)
     if args.png is not None:
         from .viz import render_png

@@ -26,6 +26,11 @@ Three layers, each usable on its own:
    is cached). Override with ``set_backend("flex" | "sdpa" | None)``, the environment variable
    ``KVCOMPRESS_ATTENTION`` or the ``backend=`` argument.
 
+CPU head dims: the compiled CPU flex kernel of torch 2.13 returned wrong numbers (even NaN) for
+head dims 8 and 16 at some N (not for 24, 32, 48, 64, 128), so on CPU flex requires
+D, D_v >= CPU_MIN_HEAD_DIM (32) and the chooser uses SDPA below that; every CPU probe also
+compares the two outputs and keeps SDPA if they disagree.
+
 Dtypes: float16 / bfloat16 inputs run natively on CPU and CUDA; log-sizes and the bias are
 float32 and flex adds them to float32 scores; the output has the query's dtype.
 A query row that can see no slot at all (only padding) gives zeros here and NaN on SDPA.
@@ -53,13 +58,14 @@ __all__ = [
     "flex_proportional_attention", "sdpa_proportional_attention", "auto_proportional_attention",
     "choose_backend", "set_backend", "get_backend_override", "backend_decisions",
     "clear_backend_decisions", "compile_count", "reset_compile_count", "BACKENDS",
-    "BackendDecision",
+    "BackendDecision", "CPU_MIN_HEAD_DIM", "PROBE_REPEATS",
 ]
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 BACKENDS = ("flex", "sdpa")
 NEG_INF = float("-inf")
+CPU_MIN_HEAD_DIM = 32
 
 
 # ---------------------------------------------------------------------------- score_mod factories
@@ -216,6 +222,13 @@ def _check_inputs(query: Tensor, keys: Tensor, values: Tensor, log_sizes: Tensor
             f"at most the {N} slots when causal (the new tokens must already be in the cache)")
 
 
+def _check_flex_head_dims(query: Tensor, values: Tensor) -> None:
+    dims = (query.shape[-1], values.shape[-1])
+    require(query.device.type != "cpu" or min(dims) >= CPU_MIN_HEAD_DIM, "head dims (D, D_v)", dims,
+            f">= {CPU_MIN_HEAD_DIM} for FlexAttention on CPU (inductor's CPU flex kernel gave wrong "
+            "results for head dims 8 and 16 in torch 2.13); use sdpa_proportional_attention")
+
+
 def _mark_dynamic(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> None:
     # Marking up front lets the first graph cover every later N (and L > 1) instead of
     # compiling a static graph first and a dynamic one on the second length.
@@ -252,6 +265,7 @@ def flex_proportional_attention(
     Works on CPU (inductor + a C++ compiler) and CUDA; see ``compile_count()``.
     """
     _check_inputs(query, keys, values, log_sizes, causal)
+    _check_flex_head_dims(query, values)
     B, Hq, L, _ = query.shape
     Hkv, N = keys.shape[1], keys.shape[2]
     bias = log_sizes.float()  # [B, H_kv, N]
@@ -299,6 +313,10 @@ _OVERRIDE: list[str | None] = [None]
 _DECISIONS: dict[tuple, BackendDecision] = {}
 _IMPLS = {"flex": flex_proportional_attention, "sdpa": sdpa_proportional_attention}
 PROBE_REPEATS = 3
+# flex vs SDPA disagreement above which a probe distrusts flex (the references agree to ~1e-6
+# in float32; half dtypes differ by output rounding).
+_PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
+_PROBE_TOLERANCE_HALF = 5e-2
 
 
 def set_backend(backend: str | None) -> None:
@@ -320,7 +338,7 @@ def get_backend_override() -> str | None:
 
 
 def backend_decisions() -> dict[tuple, BackendDecision]:
-    """Cached automatic decisions, keyed (device, dtype, B, H_q, H_kv, D, L bucket, N bucket)."""
+    """Cached CPU probe results, keyed (device, dtype, B, H_q, H_kv, D, L bucket, N bucket)."""
     return dict(_DECISIONS)
 
 
@@ -338,28 +356,42 @@ def _bucket_key(query: Tensor, keys: Tensor) -> tuple:
             1 if L == 1 else _pow2_bucket(L, 2), _pow2_bucket(keys.shape[2], 128))
 
 
-def _best_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (compiles flex on first use)
+def _rule(device_type: str, head_dims: tuple[int, int]) -> str | None:
+    """The backend fixed by the device alone, or None where a probe decides (CPU)."""
+    if device_type == "cuda":
+        return "flex"
+    if device_type != "cpu" or min(head_dims) < CPU_MIN_HEAD_DIM:
+        return "sdpa"
+    return None
+
+
+def _best_ms(fn, repeats: int) -> tuple[float, Tensor]:
+    out = fn()  # warm-up (compiles flex on first use)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return best * 1e3, out
 
 
 def _probe(query, keys, values, log_sizes, kwargs) -> BackendDecision:
-    sdpa_ms = _best_ms(lambda: sdpa_proportional_attention(query, keys, values, log_sizes, **kwargs),
-                       PROBE_REPEATS)
+    sdpa_ms, ref = _best_ms(
+        lambda: sdpa_proportional_attention(query, keys, values, log_sizes, **kwargs), PROBE_REPEATS)
     try:
-        flex_ms = _best_ms(lambda: flex_proportional_attention(query, keys, values, log_sizes, **kwargs),
-                           PROBE_REPEATS)
+        flex_ms, out = _best_ms(
+            lambda: flex_proportional_attention(query, keys, values, log_sizes, **kwargs), PROBE_REPEATS)
     except Exception as exc:  # no C++ compiler, inductor bug: SDPA still gives the right answer
-        warnings.warn(f"FlexAttention failed on {query.device} ({type(exc).__name__}: {exc}); using SDPA",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"FlexAttention failed on {query.device} ({type(exc).__name__}: {exc}); "
+                      "using SDPA", RuntimeWarning, stacklevel=4)
         return BackendDecision("sdpa", "flex failed", None, sdpa_ms)
-    best = "flex" if flex_ms < sdpa_ms else "sdpa"
-    return BackendDecision(best, "probe", flex_ms, sdpa_ms)
+    seen = ~torch.isnan(ref)  # rows that see no slot: NaN on SDPA, zeros on flex
+    err = float((out.float() - ref.float()).abs().masked_fill(~seen, 0).max()) if out.numel() else 0.0
+    if not err <= _PROBE_TOLERANCE.get(query.dtype, _PROBE_TOLERANCE_HALF):
+        warnings.warn(f"FlexAttention disagrees with SDPA by {err:.3g} on {query.device} "
+                      f"{tuple(query.shape)} {query.dtype}; using SDPA", RuntimeWarning, stacklevel=4)
+        return BackendDecision("sdpa", "flex disagreed", flex_ms, sdpa_ms)
+    return BackendDecision("flex" if flex_ms < sdpa_ms else "sdpa", "probe", flex_ms, sdpa_ms)
 
 
 def choose_backend(
@@ -368,19 +400,22 @@ def choose_backend(
 ) -> str:
     """The backend an automatic call uses for these inputs: "flex" or "sdpa".
 
-    Order: set_backend / KVCOMPRESS_ATTENTION override; "flex" on CUDA; "sdpa" on other non-CPU
-    devices; on CPU the cached decision of this bucket, or a probe when values and log_sizes are
-    given (it runs both backends PROBE_REPEATS + 1 times on these inputs, so the first call of a
-    bucket costs a flex compile, several seconds on CPU). Without them an unprobed CPU bucket
-    answers "sdpa" and caches nothing. kwargs: scale / causal / use_sizes for the probe.
+    query: [B, H_q, L, D], keys: [B, H_kv, N, D], values: [B, H_kv, N, D_v], log_sizes: [B, H_kv, N]
+
+    Order: the set_backend / KVCOMPRESS_ATTENTION override; "flex" on CUDA; "sdpa" on other
+    non-CPU devices and for CPU head dims below CPU_MIN_HEAD_DIM; on CPU the cached decision of
+    this bucket (N rounded up to a power of two >= 128, L to 1 or a power of two), else a probe
+    when values and log_sizes are given. The probe runs both backends PROBE_REPEATS + 1 times on
+    these inputs (the first call of a bucket thus costs a flex compile, seconds on CPU), keeps
+    the faster, and keeps SDPA if flex fails or disagrees with it. Without values and log_sizes
+    an unprobed CPU bucket answers "sdpa" and caches nothing. kwargs: scale / causal / use_sizes.
     """
     override = get_backend_override()
     if override is not None:
         return override
-    if query.device.type == "cuda":
-        return "flex"
-    if query.device.type != "cpu":
-        return "sdpa"
+    fixed = _rule(query.device.type, (query.shape[-1], query.shape[-1] if values is None else values.shape[-1]))
+    if fixed is not None:
+        return fixed
     key = _bucket_key(query, keys)
     decision = _DECISIONS.get(key)
     if decision is None:
@@ -402,12 +437,14 @@ def auto_proportional_attention(
     use_sizes: bool = True,
     backend: str | None = None,
 ) -> Tensor:
-    """Proportional attention on ``backend`` ("flex", "sdpa", or None / "auto" = choose_backend).
+    """Proportional attention on ``backend``: "flex", "sdpa", or None / "auto" (choose_backend).
 
-    Shapes and semantics as in ``flex_proportional_attention``.
+    Shapes and semantics as in ``flex_proportional_attention``: query [B, H_q, L, D], keys
+    [B, H_kv, N, D], values [B, H_kv, N, D_v], log_sizes [B, H_kv, N] -> [B, H_q, L, D_v].
     """
+    if backend is not None:
+        check_choice("backend", backend, BACKENDS + ("auto",))
     kwargs = dict(scale=scale, causal=causal, use_sizes=use_sizes)
     if backend in (None, "auto"):
         backend = choose_backend(query, keys, values, log_sizes, **kwargs)
-    check_choice("backend", backend, BACKENDS + ("auto",))
     return _IMPLS[backend](query, keys, values, log_sizes, **kwargs)

@@ -407,7 +407,7 @@ def render_png(view: ClusterView, path: str | os.PathLike, max_tokens: int = 600
     subtitle = (f"{view.pipeline_name}, layer {view.layer_idx}, KV head {view.head}: {view.num_tokens} tokens -> "
                 f"{s['slots']} slots (keep ratio {s['keep_ratio_achieved']:.2f}, budget met: {s['budget_met']}), "
                 f"{s['clusters']} clusters of 2+ tokens (largest {s['largest_cluster']}); showing {shown}. "
-                f"One colour per cluster, representative underlined; red bar = chunk boundary.")
+                f"One colour per cluster, representative underlined; red bar = chunk boundary (first round).")
 
     cw, lh = 0.082, 0.26  # inches per character / per line at font size 8.5 monospace
     fig_w = chars_per_line * cw + 0.6

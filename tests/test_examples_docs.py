@@ -78,3 +78,52 @@ def test_strategy_pages_cover_every_registered_strategy():
             if name.startswith("test-"):
                 continue
             assert f"`{name}`" in text, f"{kind} {name!r} is not documented in docs/{pages[kind]}"
+
+
+PARAM_PAGES = {"chunker": "chunkers.md", "clusterer": "clusterers.md", "merger": "mergers.md",
+               "scorer": "guards-and-scorers.md"}
+_ROW = re.compile(r"^\| `([^`]+)` \| `([^`]+)` \|", re.M)
+
+
+def documented_parameters(page: str, names: set[str]) -> dict[str, dict[str, str]]:
+    """{strategy: {parameter: default text}} from the tables under '## `name`' / '### `name`'
+    headings (a heading may name several strategies, e.g. '## `mean` and `degree`')."""
+    out: dict[str, dict[str, str]] = {}
+    sections = re.split(r"^(#{2,3} .*)$", (DOCS / page).read_text(), flags=re.M)
+    for heading, body in zip(sections[1::2], sections[2::2]):
+        titled = [n for n in re.findall(r"`([^`]+)`", heading.split(" — ")[0]) if n in names]
+        if not titled or "| parameter | default | meaning |" not in body:
+            continue
+        table = body.split("| parameter | default | meaning |", 1)[1].split("\n\n", 1)[0]
+        rows = dict(_ROW.findall(table))
+        for name in titled:
+            out[name] = rows
+    return out
+
+
+def _same_default(doc_text: str, code_default) -> bool:
+    value = eval(doc_text, {"__builtins__": {}})  # literals and 2**26
+    if isinstance(code_default, kc.StrategySpec) or (isinstance(value, dict) and "name" in value):
+        return kc.StrategySpec.coerce(value, "doc") == kc.StrategySpec.coerce(code_default, "code")
+    if isinstance(value, list):
+        value = tuple(value)
+    return value == code_default and type(value) is type(code_default)
+
+
+@pytest.mark.parametrize("kind", sorted(PARAM_PAGES))
+def test_parameter_tables_match_the_code(kind):
+    """Every parameter of every built-in strategy is documented with its real default."""
+    registry = kc.registry.REGISTRIES[kind]
+    names = {n for n in registry.list() if n != "windowed-average" and not n.startswith("test-")}
+    documented = documented_parameters(PARAM_PAGES[kind], names)
+    for name in sorted(names):
+        factory = registry.get(name)
+        fields = {f.name: f for f in dataclasses.fields(factory) if f.init} if dataclasses.is_dataclass(factory) else {}
+        if not fields:
+            continue
+        assert name in documented, f"{kind} {name!r} has no parameter table in docs/{PARAM_PAGES[kind]}"
+        rows = documented[name]
+        assert set(rows) == set(fields), (name, sorted(rows), sorted(fields))
+        for param, text in rows.items():
+            default = fields[param].default
+            assert _same_default(text, default), f"{kind} {name}.{param}: docs say {text}, code {default!r}"

@@ -182,7 +182,7 @@ def test_unbound_cache_with_set_inputs():
     """A cache not bound to a model works when the caller declares the inputs (or without ids)."""
     model = tiny_model(seed=25)
     stock = stock_copy(model)
-    cache = CompressedCache(None, num_layers=2)
+    cache = CompressedCache(None, num_layers=2, backend="sdpa")
     ids = prompt_ids(26, 20)
     from transformers import DynamicCache
 

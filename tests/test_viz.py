@@ -297,3 +297,22 @@ def test_add_parser_wires_a_subcommand():
     cli_viz.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["viz", "--text", "hi", "--png", "a.png", "--layer", "3"])
     assert args.func is cli_viz.run and args.layer == 3 and args.preset == "semanticache"
+
+
+def test_eviction_and_cam_presets():
+    state = toy_state(4, N=60)
+    view, _ = cluster_view(Pipeline("streamingllm", keep_ratio=0.5), state, head=0)
+    # 4 sinks, the middle evicted, the most recent 26 kept alone
+    assert view.roles == ("sink",) * 4 + ("dropped",) * 30 + ("kept",) * 26
+
+    queries = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    with_q = state.replace(extras={"queries": queries})
+    pipe = Pipeline("cam", keep_ratio=0.5, query_window=8, **{"clusterer.merge_rule": "always"})
+    view, _ = cluster_view(pipe, with_q, head=1)
+    out, _ = pipe.compress(with_q)
+    kept_positions = set(out.positions[0, 1].tolist())
+    merged = [t for t, r in enumerate(view.roles) if r == "merged" and t not in kept_positions]
+    assert merged, "CaM with merge_rule='always' merges every evicted value"
+    for t in merged:  # shown with a kept slot after it (CaM spreads values forward)
+        assert int(view.rep_position[t]) > t
+    assert "dropped" not in view.roles

@@ -61,16 +61,16 @@ def resolve_backend(backend: str, device: torch.device) -> AttentionFn:
     key = (backend, torch.device(device).type)
     if key in _RESOLVED:
         return _RESOLVED[key]
-    flex = _flex_module()
-    if backend == "flex":
+    if backend == "sdpa":
+        fn = _reference_sdpa  # no import of kvcompress.flex: it pulls in torch.compile (seconds)
+    elif backend == "flex":
+        flex = _flex_module()
         if flex is None or not hasattr(flex, "flex_proportional_attention"):
             raise ValueError("backend='flex' is invalid: expected kvcompress.flex (FlexAttention) to be "
                              "available; use backend='sdpa' or 'auto'")
         fn = flex.flex_proportional_attention
-    elif backend == "sdpa":
-        fn = getattr(flex, "sdpa_proportional_attention", None) or _reference_sdpa
     else:
-        fn = _auto_backend(flex, torch.device(device))
+        fn = _auto_backend(_flex_module(), torch.device(device))
     _RESOLVED[key] = fn
     return fn
 
@@ -86,18 +86,20 @@ def _auto_backend(flex, device: torch.device) -> AttentionFn:
     return getattr(flex, "sdpa_proportional_attention", None) or _reference_sdpa
 
 
-def compile_count() -> int | None:
-    """Compilations of the flex kernel so far (None when kvcompress.flex has no counter)."""
-    flex = _flex_module()
+def compile_count() -> int:
+    """Graphs compiled so far by the flex kernel (0 while kvcompress.flex was never used)."""
+    import sys
+
+    flex = sys.modules.get("kvcompress.flex")  # not imported: nothing was compiled
     if flex is None:
-        return None
+        return 0
     for name in ("compile_count", "get_compile_count"):
         counter = getattr(flex, name, None)
         if callable(counter):
             return int(counter())
         if isinstance(counter, int):
             return counter
-    return None
+    return 0
 
 
 # ---------------------------------------------------------------------------- statistics

@@ -159,11 +159,15 @@ def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
     C = tau.shape[0]
     width, dtype, W = sims.words
     unassigned = _pack(sims.mask, width, dtype)[None].expand(C, S, W).clone()  # padding: assigned
+    # 0-d operands of the word dtype: Python ints would be converted on every step
+    one = torch.ones((), dtype=dtype, device=tau.device)
+    shifts = torch.arange(width, dtype=dtype, device=tau.device)
     for i0, spared in sims.spared(tau):
         for r in range(min(spared.shape[0], L - 1 - i0)):  # the last member has nobody after it
             w, bit = divmod(i0 + r, width)
-            not_seed = ((unassigned[:, :, w] >> bit) & 1) - 1  # [C, S]: 0 at seeds, all ones else
-            unassigned &= spared[r] | not_seed[..., None]
+            # [C, S]: 0 where member i is (still) a seed, all ones where it is not
+            not_seed = torch.bitwise_right_shift(unassigned[:, :, w], shifts[bit]).bitwise_and_(one).sub_(one)
+            unassigned.bitwise_and_(torch.bitwise_or(spared[r], not_seed[..., None]))
     return _unpack(unassigned, width, L) & sims.mask
 
 

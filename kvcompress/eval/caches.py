@@ -1,0 +1,225 @@
+"""Prefill once, compress copies: the evaluation's use of ``kvcompress.hf``.
+
+``Recorder`` prefills a prompt into an uncompressed ``CompressedCache`` (compression disabled) that
+also collects what the methods' scorers need (the last queries of each layer, the attention each
+token received). ``snapshot()`` freezes the per-layer ``KVState``s. ``compressed_copy`` then builds,
+for any pipeline, a fresh cache holding that snapshot compressed, as if the pipeline had run in
+the prefill: every layer is handed to the cache through its ordinary ``update`` and compresses in
+its after-attention step, exactly the code path of a real prefill, but without running the model.
+The copy is then bound to the model for decoding. One model prefill serves every method.
+
+``_EvalPipeline`` (a ``Pipeline``) can protect token spans in every layer and head (an oracle
+that knows where the needle is) and traces span markers through the merge: a per-slot count
+of marked tokens that merging sums over members, so after compression each slot says how many
+needle tokens it holds and how many tokens in all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..config import PipelineConfig
+from ..pipeline import Pipeline
+from ..types import KVState
+from ..validation import require
+
+MARK_PREFIX = "eval_mark:"
+
+
+@dataclass
+class Snapshot:
+    """Per-layer states of an uncompressed prefill (cloned: later appends cannot touch them).
+
+    states:    one KVState per layer, keys/values [B, H, T, D]; extras may hold "queries"
+               [B, Hq, W, D] and "attn_acc" [B, H, T]
+    token_ids: [B, T] long
+    """
+
+    states: list
+    token_ids: Tensor
+    vocab: tuple | None
+    geometry: object
+    backend: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[1])
+
+
+def needs_of(configs) -> tuple[int, bool]:
+    """(query window, track attention) a recorder needs to serve every config."""
+    window = max([c.query_window for c in configs] + [0])
+    track = any(c.track_attention for c in configs)
+    return window, track
+
+
+class Recorder:
+    """An uncompressed cache that records inputs, queries and attention for later compression.
+
+        rec = Recorder(model, tokenizer, query_window=32, track_attention=False)
+        rec.feed(ids)            # [1, T] long: one model prefill
+        snap = rec.snapshot()
+    """
+
+    def __init__(self, model, tokenizer=None, *, query_window: int = 0, track_attention: bool = False,
+                 backend: str = "auto", vocab=None):
+        from ..hf import CompressedCache
+
+        config = PipelineConfig(name="eval-recorder", keep_ratio=1.0, sinks=0, clusterer="keep", merger="identity",
+                                query_window=query_window, track_attention=track_attention)
+        self.model = model
+        self.cache = CompressedCache.for_model(model, tokenizer, config, backend=backend, vocab=vocab)
+        self.cache.enabled = False  # record only: never compress
+        self.backend = backend
+        self.forwards = 0
+        self.prefill_s = 0.0
+
+    def feed(self, ids: Tensor, *, logits: bool = False) -> Tensor | None:
+        """Run the model over ``ids`` [1, q] on top of what was fed; returns logits [1, q, V] when
+        ``logits`` (else the base model runs, no [q, V] logits are built)."""
+        from ..hf.generate import cache_kwarg
+
+        require(ids.dim() == 2 and ids.shape[1] >= 1, "ids", tuple(ids.shape), "a [B, q] tensor with q >= 1")
+        module = self.model if logits else self.model.base_model
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = module(input_ids=ids, use_cache=True, **{cache_kwarg(module): self.cache})
+        self.prefill_s += time.perf_counter() - start
+        self.forwards += 1
+        return out.logits if logits else None
+
+    def snapshot(self) -> Snapshot:
+        states = []
+        for layer in self.cache.layers:
+            st = layer.state()
+            extras = {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.extras.items()
+                      if k in ("queries", "attn_acc")}
+            states.append(st.replace(keys=st.keys.clone(), values=st.values.clone(),
+                                     log_sizes=st.log_sizes.clone(), positions=st.positions.clone(),
+                                     token_ids=st.token_ids.clone(), extras=extras))
+        return Snapshot(states=states, token_ids=self.cache.token_ids.clone(), vocab=self.cache.vocab,
+                        geometry=self.cache.geometry, backend=self.backend)
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+# ---------------------------------------------------------------------------- compressed copies
+class _EvalPipeline(Pipeline):
+    """A pipeline that protects token spans and traces span markers through its compressions.
+
+    protect: [(start, end), ...] token positions never merged or dropped, in every layer and head
+    marks:   name -> (start, end) token positions to trace
+    """
+
+    def __init__(self, config: PipelineConfig, protect=(), marks=None):
+        super().__init__(config)
+        self.protect = tuple(protect or ())
+        self.marks = dict(marks or {})
+        self.traces: dict[int, dict] = {}
+
+    def compress(self, state: KVState, layer_idx: int | None = None):
+        if not self.protect and not self.marks:
+            return super().compress(state, layer_idx)
+        pos = state.positions  # [B, H, N]; before the first compression a slot is one token
+        extras = dict(state.extras)
+        for name, (a, b) in self.marks.items():
+            extras[MARK_PREFIX + name] = ((pos >= a) & (pos < b)).float()
+        protected = state.protected
+        for a, b in self.protect:
+            span = state.valid & (pos >= a) & (pos < b)
+            protected = span if protected is None else protected | span
+        out, report = super().compress(state.replace(extras=extras, protected=protected), layer_idx)
+        if self.marks:
+            self.traces[layer_idx] = {name: trace_mark(out, out.extras[MARK_PREFIX + name], b - a)
+                                      for name, (a, b) in self.marks.items()}
+        clean = {k: v for k, v in out.extras.items() if not k.startswith(MARK_PREFIX)}
+        return out.replace(extras=clean, protected=None), report
+
+
+def trace_mark(state: KVState, count: Tensor, length: int) -> dict:
+    """Where the ``length`` marked tokens went, averaged over batch and heads.
+
+    count: [B, H, N] marked tokens per slot (merging sums it over members)
+    kept:  share of marked tokens still in the cache (eviction drops them)
+    alone: share still in a slot of their own (size 1)
+    mixed: share merged with unmarked tokens
+    slots: slots holding marked tokens; size: mean size of those slots
+    """
+    valid = state.valid
+    size = state.log_sizes.exp().masked_fill(~valid, 0.0)  # [B, H, N]
+    count = count.masked_fill(~valid, 0.0)
+    has = count > 1e-6
+    n = float(max(length, 1))
+    per_head_slots = has.sum(-1).float()  # [B, H]
+    sizes = torch.where(has, size, 0.0).sum(-1) / per_head_slots.clamp(min=1)
+    return {
+        "kept": float(count.sum(-1).mean() / n),
+        "alone": float((has & (size < 1.5)).sum(-1).float().mean() / n),
+        "mixed": float(torch.where(has & (size > count + 1e-4), count, 0.0).sum(-1).mean() / n),
+        "slots": float(per_head_slots.mean()),
+        "size": float(sizes.mean()),
+    }
+
+
+@dataclass
+class Copy:
+    """A compressed copy: the cache (bound to the model) and what the compression achieved."""
+
+    cache: object
+    compress_s: float
+    keep_max: float  # max over layers and heads of slots / tokens
+    keep_mean: float  # mean over layers and heads of slots / tokens
+    layers_met: bool  # every layer's pipeline report said the budget was met
+    trace: dict = field(default_factory=dict)  # mark name -> means over layers of trace_mark
+
+
+def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protect=(), marks=None) -> Copy:
+    """A new cache for ``model`` holding ``snapshot`` compressed by ``config``.
+
+    The snapshot is not modified. protect / marks: token spans, see ``_EvalPipeline``.
+    """
+    from ..hf import CompressedCache
+    from ..hf.attention import STEP_KEY
+
+    pipe = _EvalPipeline(config, protect=protect, marks=marks)
+    cache = CompressedCache(pipe, num_layers=len(snapshot.states), vocab=snapshot.vocab, backend=snapshot.backend,
+                            geometry=snapshot.geometry)
+    window, track = config.query_window, config.track_attention
+    start = time.perf_counter()
+    with torch.inference_mode():
+        cache.set_inputs(input_ids=snapshot.token_ids)
+        for i, (layer, st) in enumerate(zip(cache.layers, snapshot.states)):
+            queries = st.extras.get("queries")
+            require(window == 0 or (queries is not None and queries.shape[2] >= min(window, st.num_tokens)),
+                    "snapshot", f"query window {0 if queries is None else queries.shape[2]}",
+                    f"a recorder with query_window >= {window} for pipeline {config.name!r}")
+            received = st.extras.get("attn_acc") if track else None
+            require(not track or received is not None, "snapshot", "no attention statistics",
+                    f"a recorder with track_attention=True for pipeline {config.name!r}")
+            kwargs: dict = {}
+            layer.update(st.keys, st.values, i, kwargs=kwargs)
+            step = kwargs[STEP_KEY]
+            step.finish(queries if queries is not None else st.keys.new_zeros(0), received)
+    compress_s = time.perf_counter() - start
+    cache.bind(model)
+
+    ratios, met = [], True
+    for layer in cache.layers:
+        tokens = max(layer.num_tokens - (0 if cache.seq_start is None else int(cache.seq_start.max())), 1)
+        ratios.append(layer.valid_slots().float() / tokens)  # [B, H]
+        report = layer.last_report
+        met = met and (report is None or bool(report.budget_met))
+    ratios_t = torch.stack(ratios)  # [L, B, H]
+    trace = {}
+    if pipe.traces:
+        for name in pipe.marks:
+            rows = [t[name] for t in pipe.traces.values()]
+            trace[name] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+            trace[name]["alone_per_layer"] = [round(pipe.traces[i][name]["alone"], 3) for i in sorted(pipe.traces)]
+    return Copy(cache=cache, compress_s=compress_s, keep_max=float(ratios_t.max()), keep_mean=float(ratios_t.mean()),
+                layers_met=met, trace=trace)

@@ -1,0 +1,45 @@
+"""Needle in a haystack: a grid of context lengths x needle depths.
+
+The haystack window of a (length, sample) pair is the same at every depth, so a row of the
+heatmap differs only in where the needle sits; each sample draws its own needle value.
+"Length" counts the tokens of the context (haystack + needle), not of the chat template or the
+question; each record also holds the exact count.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..validation import check_choice, check_int, check_range
+from .data import NEEDLE_KINDS, Haystack, count_tokens, insert_at_depth, make_needle, sub_span
+from .runner import QASample
+
+MAX_NEW_TOKENS = {"number": 16, "word": 16, "uuid": 48}
+
+
+def niah_samples(tokenizer, haystack: Haystack, lengths, depths, samples: int = 1, kind: str = "number",
+                 seed: int = 0) -> list[QASample]:
+    """One QASample per (length, depth, sample index), in that order."""
+    check_choice("needle", kind, NEEDLE_KINDS)
+    check_int("samples", samples, 1)
+    out = []
+    for length in lengths:
+        check_int("length", length, 8)
+        for s in range(samples):
+            for depth in depths:
+                check_range("depth", depth, 0.0, 1.0)
+                rng = random.Random(f"niah-needle-{seed}-{kind}-{length}-{depth}-{s}")
+                needle = make_needle(kind, rng)
+                needle_tokens = count_tokens(tokenizer, f" {needle.sentence} ")
+                # same start at every depth: only the needle moves along a heatmap row
+                filler = haystack.window(tokenizer, max(length - needle_tokens, 1),
+                                         random.Random(f"niah-haystack-{seed}-{length}-{s}"))
+                ctx = insert_at_depth(filler, [("needle", needle.sentence, depth)])
+                spans = {"needle": ctx.spans["needle"], "value": sub_span(ctx, "needle", needle.value)}
+                out.append(QASample(
+                    sample_id=f"niah-{kind}-L{length}-d{depth:g}-s{s}", task=f"niah_{kind}", context=ctx.text,
+                    question=needle.question, answers=[needle.value], metric="needle",
+                    max_new_tokens=MAX_NEW_TOKENS[kind], spans=spans,
+                    meta={"length": length, "depth": depth, "sample": s, "needle": kind, "value": needle.value},
+                ))
+    return out

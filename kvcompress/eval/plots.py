@@ -1,0 +1,129 @@
+"""Plots of evaluation records (matplotlib, Agg backend: no display needed).
+
+- ``heatmaps``: accuracy by needle depth (rows) x context length (columns), one panel per method
+  and budget, one figure per protocol;
+- ``accuracy_vs_budget``: one line per method over the budgets (the full cache as a dashed
+  line), one panel per protocol (or per task);
+- ``metric_vs_budget``: the same for any numeric field (fidelity's KL, top-1 agreement).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def heatmaps(records: list[dict], path_pattern: str | Path, value: str = "score") -> list[Path]:
+    """One PNG per protocol (``path_pattern`` with "{protocol}"); returns the paths written."""
+    plt = _plt()
+    written = []
+    by_protocol = defaultdict(list)
+    for r in records:
+        by_protocol[r["protocol"]].append(r)
+    for protocol, rs in sorted(by_protocol.items()):
+        panels = list(dict.fromkeys((r["method"], r["budget"]) for r in rs))
+        lengths = sorted({r["length"] for r in rs})
+        depths = sorted({r["depth"] for r in rs})
+        cols = min(4, len(panels))
+        rows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(2.2 + 1.1 * len(lengths) * cols, 0.9 + (0.45 * len(depths) + 0.9) * rows),
+                                 squeeze=False)
+        im = None
+        for ax, (method, budget) in zip(axes.flat, panels):
+            cell = defaultdict(list)
+            for r in rs:
+                if r["method"] == method and r["budget"] == budget:
+                    cell[(r["depth"], r["length"])].append(r.get(value))
+            grid = [[_mean(cell.get((d, n), [])) for n in lengths] for d in depths]
+            im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+            for i, row in enumerate(grid):
+                for j, v in enumerate(row):
+                    if not math.isnan(v):
+                        ax.text(j, i, f"{v:.2f}".rstrip("0").rstrip(".") if v not in (0, 1) else f"{v:g}",
+                                ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+            ax.set_title(f"{method}\nkeep {budget:g}", fontsize=8)
+            ax.set_xlabel("context tokens", fontsize=7)
+            ax.set_ylabel("needle depth", fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        if im is not None:
+            fig.colorbar(im, ax=axes, shrink=0.6, label=value)
+        fig.suptitle(f"NIAH accuracy, {protocol} protocol", fontsize=10)
+        path = Path(str(path_pattern).format(protocol=protocol))
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def metric_vs_budget(rows: list[dict], path: str | Path, value: str = "accuracy", panel: str = "protocol",
+                     ylabel: str | None = None, title: str = "", ylim=(0.0, 1.05)) -> Path:
+    """Lines per method over budgets from aggregate rows (method, budget, ``panel``, ``value``)."""
+    plt = _plt()
+    panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
+    for ax, p in zip(axes.flat, panels):
+        sub = [r for r in rows if panel is None or r[panel] == p]
+        methods = list(dict.fromkeys(r["method"] for r in sub))
+        for method in methods:
+            pts = sorted((r["budget"], r[value], r.get("budget_met", True)) for r in sub
+                         if r["method"] == method and r.get(value) is not None)
+            if not pts:
+                continue
+            if method == "full" and len(pts) == 1:
+                ax.axhline(pts[0][1], color="k", ls="--", lw=1, label=f"{method}")
+                continue
+            line, = ax.plot([b for b, _, _ in pts], [v for _, v, _ in pts], marker="o", ms=4, lw=1.2, label=method)
+            missed = [(b, v) for b, v, met in pts if not met]
+            if missed:  # hollow markers: the budget was not met (best effort kept more)
+                ax.plot([b for b, _ in missed], [v for _, v in missed], ls="none", marker="o", ms=9, mfc="none",
+                        color=line.get_color())
+        ax.set_xlabel("budget (keep ratio)")
+        ax.set_ylabel(ylabel or value)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{title}{'' if p is None else (' ' if title else '') + str(p)}", fontsize=9)
+        ax.legend(fontsize=6, loc="best")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def achieved_vs_accuracy(rows: list[dict], path: str | Path, value: str = "accuracy") -> Path:
+    """Accuracy against the achieved keep (mean over layers and heads) per method: the tau sweep."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter([r["keep_mean"]], [r[value]], s=18)
+        ax.annotate(r["method"].split(":", 1)[-1], (r["keep_mean"], r[value]), fontsize=6)
+    ax.set_xlabel("achieved keep (mean slots / tokens)")
+    ax.set_ylabel(value)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

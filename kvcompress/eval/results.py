@@ -1,0 +1,143 @@
+"""Results on disk: one JSON line per finished cell (resumable), a run file, a results JSON.
+
+Layout of an output directory:
+
+    run.json        what the run measures (task, model, data, decoding); a rerun must match it
+    cells.jsonl     one record per (sample, method, budget, protocol), appended as each finishes
+    results.json    run info, machine, every record of the current grid and the aggregates
+    *.png           plots
+
+A rerun with the same ``run.json`` skips the cells already in ``cells.jsonl``; lengths, depths,
+samples, methods and budgets can change between runs (the grid grows or shrinks), but a change
+of what a cell means (model, haystack, needle kind, decoding) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections import defaultdict
+from pathlib import Path
+
+from ..validation import require
+
+
+def cell_key(sample_id: str, label: str, budget: float, protocol: str) -> str:
+    return f"{sample_id}|{label}|{budget:g}|{protocol}"
+
+
+class CellStore:
+    """Append-only JSON lines of finished cells, keyed by ``cell_key``."""
+
+    def __init__(self, out_dir: str | Path, signature: dict):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "cells.jsonl"
+        run_path = self.dir / "run.json"
+        signature = json.loads(json.dumps(signature))
+        if run_path.exists():
+            old = json.loads(run_path.read_text())
+            diff = sorted(k for k in set(old) | set(signature) if old.get(k) != signature.get(k))
+            require(not diff, "out", str(self.dir),
+                    f"a directory of a run with the same settings (these differ: "
+                    f"{', '.join(f'{k}: {old.get(k)!r} -> {signature.get(k)!r}' for k in diff)}); use another --out")
+        else:
+            run_path.write_text(json.dumps(signature, indent=2) + "\n")
+        self.records: dict[str, dict] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by an interrupted write: that cell runs again
+                self.records[rec["key"]] = rec
+
+    def done(self, key: str) -> bool:
+        return key in self.records
+
+    def add(self, record: dict) -> None:
+        require("key" in record, "record", sorted(record), "a dict with a 'key'")
+        self.records[record["key"]] = record
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return None if not xs else sum(xs) / len(xs)
+
+
+def aggregate(records: list[dict], by=("method", "budget", "protocol")) -> list[dict]:
+    """Per group: n, hits, accuracy (mean score), leading digits, achieved keep, budget met."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in records:
+        groups[tuple(r[k] for k in by)].append(r)
+    out = []
+    for key, rs in groups.items():
+        row = dict(zip(by, key))
+        row.update({
+            "n": len(rs),
+            "hits": sum(bool(r.get("hit")) for r in rs),
+            "accuracy": _mean([r.get("score") for r in rs]),
+            "leading_digits": _mean([r.get("leading_digits") for r in rs]),
+            "keep_max": max(r["keep_max"] for r in rs) if all("keep_max" in r for r in rs) else None,
+            "keep_max_mean": _mean([r.get("keep_max") for r in rs]),
+            "keep_mean": _mean([r.get("keep_mean") for r in rs]),
+            "budget_met": all(r.get("budget_met", True) for r in rs),
+            "budget_met_share": _mean([float(r.get("budget_met", True)) for r in rs]),
+            "compress_s": _mean([r.get("compress_s") for r in rs]),
+            "decode_s": _mean([r.get("decode_s") for r in rs]),
+        })
+        for extra in ("kl", "top1", "ppl_full", "ppl", "ppl_delta"):
+            if any(extra in r for r in rs):
+                row[extra] = _mean([r.get(extra) for r in rs])
+        out.append(row)
+    order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in records))}
+    out.sort(key=lambda r: tuple(order.get(r[k], 0) if k == "method" else
+                                 (-r[k] if k == "budget" else r[k]) for k in by))
+    return out
+
+
+def write_results(path: str | Path, meta: dict, records: list[dict], extra_groups: dict | None = None) -> dict:
+    """results.json: run info, per-sample records, aggregates (and more groupings when given)."""
+    data = {"meta": meta, "machine": machine_info(), "aggregate": aggregate(records), "samples": records}
+    for name, by in (extra_groups or {}).items():
+        data[name] = aggregate(records, by)
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    """A GitHub markdown table of ``rows``."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
