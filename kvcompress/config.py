@@ -70,6 +70,7 @@ class StrategySpec:
 
 
 INFEASIBLE_POLICIES = ("error", "best_effort")
+DEFAULT_KEEP_RATIO = 0.5
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,11 @@ class PipelineConfig:
     """protection (sinks, recent window, guards, anchors) -> chunker -> clusterer -> merger.
 
     Budget: exactly one of ``keep_ratio`` (fraction of each row's tokens kept, in (0, 1]) or
-    ``max_slots`` (a slot count per head).
+    ``max_slots`` (a slot count per head); with neither given, keep_ratio is 0.5.
     """
 
     name: str = "custom"
-    keep_ratio: float | None = 0.5
+    keep_ratio: float | None = None  # None with max_slots None: DEFAULT_KEEP_RATIO
     max_slots: int | None = None
     sinks: int = 4
     recent: int = 0
@@ -117,6 +118,9 @@ class PipelineConfig:
             require(ok, "full_heads[]", pair, "a [layer, head] pair of integers >= 0")
             heads.append((int(pair[0]), int(pair[1])))
         set_(self, "full_heads", tuple(heads))
+        if self.keep_ratio is None and self.max_slots is None:
+            # the default budget; a plain default of 0.5 would make PipelineConfig(max_slots=n) fail
+            set_(self, "keep_ratio", DEFAULT_KEEP_RATIO)
         require((self.keep_ratio is None) != (self.max_slots is None), "keep_ratio/max_slots",
                 (self.keep_ratio, self.max_slots), "exactly one of them set (the other None)")
         if self.keep_ratio is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import inspect
 import logging
 import threading
 from typing import Any, Callable, Generic, Mapping, TypeVar
@@ -71,14 +72,13 @@ class Registry(Generic[T]):
         """Instantiate ``name`` with ``params``; unknown parameter names are a ValueError."""
         factory = self.get(name)
         params = dict(params or {})
-        if dataclasses.is_dataclass(factory):
-            allowed = {f.name for f in dataclasses.fields(factory) if f.init}
-            unknown = sorted(set(params) - allowed)
-            if unknown:
-                raise ValueError(
-                    f"{self.kind} {name!r} got unknown parameter(s) {unknown}: "
-                    f"allowed are {sorted(allowed)}"
-                )
+        allowed = _parameter_names(factory)
+        unknown = sorted(set(params) - allowed) if allowed is not None else []
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r} got unknown parameter(s) {unknown}: "
+                f"allowed are {sorted(allowed)}"
+            )
         return factory(**params)
 
     def list(self, pattern: str = "*") -> list[str]:
@@ -91,6 +91,20 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {sorted(self._entries)})"
+
+
+def _parameter_names(factory: Callable) -> set[str] | None:
+    """Keyword parameters a factory accepts; None when it takes **kwargs or cannot be inspected."""
+    if dataclasses.is_dataclass(factory):
+        return {f.name for f in dataclasses.fields(factory) if f.init}
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return {n for n, p in sig.parameters.items()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
 def _qualname(obj: Any) -> str:

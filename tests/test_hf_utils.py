@@ -19,6 +19,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from kvcompress.attention import expand_state  # noqa: E402
 from kvcompress.hf import CompressedCache, register_attention  # noqa: E402
 
+# The tiny model's matmuls take microseconds: worker threads only add overhead (10x on a loaded
+# 2-core machine). Real-model tests restore the default thread count (``all_threads``).
+_DEFAULT_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
+
 VOCAB_SIZE = 128
 # token i decodes to a word; every 8th token is a delimiter (".", ",", "\n" ...), some fused
 _DELIMS = (".", ",", "\n", " ?", "!", ".\n", " ,", "\t")
@@ -28,6 +33,15 @@ DELIMITER_IDS = tuple(i for i in range(VOCAB_SIZE) if i % 8 == 0)
 # a pipeline that surely merges on a 40-60 token prompt: fixed chunks of 8, few protected slots
 MERGING = dict(keep_ratio=0.5, sinks=2, recent=4, chunker={"name": "fixed", "params": {"size": 8}})
 MERGE_NOTHING = dict(keep_ratio=1.0)
+
+
+@pytest.fixture
+def all_threads():
+    """Run a test (a real model) with the machine's default thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(_DEFAULT_THREADS)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_config(**changes) -> LlamaConfig:

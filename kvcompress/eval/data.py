@@ -98,7 +98,9 @@ def load_haystack_text(source: str | Path | None = None) -> tuple[str, str]:
     return text, path.name
 
 
-_SENTENCE_END = re.compile(r"[.!?]\s+|\n\s*")
+# a sentence ends at . ! ? (closing quotes/brackets included) before white space, or at a blank
+# line; single newlines are not boundaries (essays are hard-wrapped mid-sentence)
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n\s*\n\s*")
 
 
 class Haystack:
@@ -185,6 +187,8 @@ class Context:
 def sentence_boundary(text: str, pos: int) -> int:
     """The sentence boundary (a char index just after ". ", "!", "?" or a newline) nearest to ``pos``
     at or before it, else the nearest after it, else ``pos``."""
+    if pos <= 0 or pos >= len(text):
+        return min(max(pos, 0), len(text))
     best_before, best_after = None, None
     for m in _SENTENCE_END.finditer(text):
         if m.end() <= pos:
@@ -194,9 +198,7 @@ def sentence_boundary(text: str, pos: int) -> int:
             break
     if best_before is not None:
         return best_before
-    if pos == 0 or best_after is None:
-        return 0 if pos == 0 else pos
-    return best_after
+    return pos if best_after is None else best_after
 
 
 def insert_at_depth(haystack: str, pieces: list[tuple[str, str, float]]) -> Context:

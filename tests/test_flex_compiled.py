@@ -1,0 +1,151 @@
+"""flex_proportional_attention through torch.compile on CPU (inductor + the system C++ compiler).
+
+Compiling is the slow part (5-40 s a graph on CPU), so the tests share one head layout
+(B=2, H_q=6, H_kv=2, D=32), which costs two graphs: L == 1 and L > 1. Causality and use_sizes
+are data, not Python flags, so they reuse those graphs. Tests that need more graphs (half
+dtypes, a fresh layout) are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcompress import flex
+from kvcompress.attention import expand_state, proportional_attention
+from kvcompress.types import KVState
+
+from test_flex_score_mods import NEG_INF, loop_reference, random_inputs
+
+B, HQ, HKV, D = 2, 6, 2, 32
+
+
+def close(a, b, tol):
+    torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("use_sizes", [True, False])
+def test_decode_matches_loop_and_sdpa_references(causal, use_sizes):
+    q, k, v, ls = random_inputs(B, HQ, HKV, 1, 37, D, seed=3)
+    ls[0, :, :5] = NEG_INF  # row 0 left-padded, row 1 not
+    ls[1, 1, 10:13] = NEG_INF  # holes in one head, e.g. dropped slots
+    out = flex.flex_proportional_attention(q, k, v, ls, causal=causal, use_sizes=use_sizes)
+    assert out.shape == (B, HQ, 1, D) and out.dtype == torch.float32
+    close(out, loop_reference(q, k, v, ls, causal=causal, use_sizes=use_sizes), 1e-5)
+    close(out, proportional_attention(q, k, v, ls, causal=causal, use_sizes=use_sizes), 1e-4)
+
+
+def test_multi_token_query_after_compressed_cache():
+    L, N = 5, 29  # 24 compressed slots, then 5 new tokens (size 1) at the end
+    q, k, v, ls = random_inputs(B, HQ, HKV, L, N, D, pad=2, seed=4)
+    ls[:, :, -L:] = 0.0
+    for causal in (True, False):
+        out = flex.flex_proportional_attention(q, k, v, ls, causal=causal, scale=0.3)
+        close(out, loop_reference(q, k, v, ls, causal=causal, scale=0.3), 1e-5)
+        close(out, proportional_attention(q, k, v, ls, causal=causal, scale=0.3), 1e-4)
+    # The causal result must differ from the non-causal one (the mask does something).
+    assert not torch.allclose(flex.flex_proportional_attention(q, k, v, ls),
+                              flex.flex_proportional_attention(q, k, v, ls, causal=False))
+
+
+def merged_state(L, seed):
+    """A merged cache whose rows all expand to the same token count, last L slots size 1.
+
+    Equal totals keep the L new tokens at the end of every expanded row, where bottom-right
+    causality puts them.
+    """
+    g = torch.Generator().manual_seed(seed)
+    N = 23
+    sizes = torch.randint(1, 5, (B, HKV, N), generator=g)
+    sizes[:, :, -L:] = 1
+    sizes[:, :, 0] += sizes.sum(-1).amax() - sizes.sum(-1)  # equalise row totals
+    keys = torch.randn(B, HKV, N, D, generator=g)
+    values = torch.randn(B, HKV, N, D, generator=g)
+    positions = torch.arange(N).expand(B, HKV, N).clone()
+    return KVState(keys=keys, values=values, log_sizes=sizes.float().log(), positions=positions,
+                   num_tokens=int(sizes[0, 0].sum()))
+
+
+@pytest.mark.parametrize("L", [1, 4])
+def test_merged_cache_equals_expanded_cache(L):
+    state = merged_state(L, seed=5 + L)
+    ek, ev, els = expand_state(state)
+    assert ek.shape[2] > state.num_slots  # something really is merged
+    q = torch.randn(B, HQ, L, D, generator=torch.Generator().manual_seed(9))
+    merged = flex.flex_proportional_attention(q, state.keys, state.values, state.log_sizes)
+    expanded_flex = flex.flex_proportional_attention(q, ek, ev, els)
+    expanded_ref = proportional_attention(q, ek, ev, els)
+    close(merged, expanded_flex, 1e-5)
+    close(merged, expanded_ref, 1e-5)
+
+
+def test_decode_sweep_does_not_recompile_per_step():
+    """Simulates 1,000 decode steps (N = 1000 .. 2000, L = 1): a handful of graphs at most."""
+    g = torch.Generator().manual_seed(6)
+    k_all = torch.randn(1, HKV, 2000, D, generator=g)
+    v_all = torch.randn(1, HKV, 2000, D, generator=g)
+    ls_all = torch.rand(1, HKV, 2000, generator=g)
+    q = torch.randn(1, HQ, 1, D, generator=g)
+    before = flex.compile_count()
+    for n in range(1000, 2001):
+        out = flex.flex_proportional_attention(q, k_all[:, :, :n], v_all[:, :, :n], ls_all[:, :, :n])
+    compiles = flex.compile_count() - before
+    assert compiles <= 3, f"{compiles} compilations over 1,001 decode steps"
+    close(out, proportional_attention(q, k_all, v_all, ls_all), 1e-4)
+    # Multi-token inputs of changing lengths share one dynamic graph too.
+    before = flex.compile_count()
+    for L, n in [(3, 40), (7, 100), (30, 300), (64, 1000)]:
+        flex.flex_proportional_attention(q.expand(1, HQ, L, D).contiguous(), k_all[:, :, :n],
+                                         v_all[:, :, :n], ls_all[:, :, :n])
+    assert flex.compile_count() - before <= 2
+
+
+def test_bad_inputs_raise_before_compiling():
+    q, k, v, ls = random_inputs(B, HQ, HKV, 1, 10, D)
+    before = flex.compile_count()
+    with pytest.raises(ValueError, match="query heads"):
+        flex.flex_proportional_attention(q[:, :5], k, v, ls)
+    with pytest.raises(ValueError, match="log_sizes"):
+        flex.flex_proportional_attention(q, k, v, ls[:, :, :9])
+    with pytest.raises(ValueError, match="keys/values dtype"):
+        flex.flex_proportional_attention(q, k.double(), v, ls)
+    with pytest.raises(ValueError, match="query length"):
+        flex.flex_proportional_attention(q.expand(B, HQ, 11, D), k, v, ls)
+    with pytest.raises(ValueError, match="head dims"):
+        flex.flex_proportional_attention(q[..., :16], k[..., :16], v[..., :16], ls)
+    with pytest.raises(ValueError, match="values"):
+        flex.sdpa_proportional_attention(q, k, v[:, :, :9], ls)
+    assert flex.compile_count() == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes_keep_the_bias_in_float32(dtype):
+    q, k, v, ls = random_inputs(B, HQ, HKV, 1, 40, D, pad=3, seed=7, dtype=dtype)
+    out = flex.flex_proportional_attention(q, k, v, ls)
+    assert out.dtype == dtype
+    close(out, loop_reference(q.float(), k.float(), v.float(), ls), 2e-2)
+    # Equal logits (zero keys), log-sizes 4 + 0.001 j: a half-precision bias would round them all
+    # to one value and give uniform weights, so the mean of centred values would be 0.
+    N = 16
+    zeros = torch.zeros(1, 1, N, D, dtype=dtype)
+    vals = (torch.arange(N, dtype=torch.float32) - 7.5)[None, None, :, None].expand(1, 1, N, D).to(dtype)
+    ls16 = (4 + 0.001 * torch.arange(N, dtype=torch.float32))[None, None]
+    out16 = flex.flex_proportional_attention(torch.zeros(1, 1, 1, D, dtype=dtype), zeros, vals, ls16)
+    w = torch.softmax(ls16[0, 0].double(), 0)
+    expected = float((w * (torch.arange(N) - 7.5)).sum())  # about 0.021
+    assert float(out16[0, 0, 0, 0]) == pytest.approx(expected, rel=2e-2)
+
+
+@pytest.mark.slow
+def test_auto_probe_on_cpu_picks_a_backend_and_caches_it():
+    flex.clear_backend_decisions()
+    q, k, v, ls = random_inputs(B, HQ, HKV, 1, 200, D, seed=8)
+    out = flex.auto_proportional_attention(q, k, v, ls)
+    close(out, proportional_attention(q, k, v, ls), 1e-4)
+    (key, decision), = flex.backend_decisions().items()
+    assert key[-1] == 256 and key[-2] == 1  # N bucket, L bucket
+    assert decision.reason == "probe" and decision.backend in flex.BACKENDS
+    assert decision.flex_ms > 0 and decision.sdpa_ms > 0
+    flex.clear_backend_decisions()
