@@ -125,7 +125,7 @@ def _fwe(tokenizer, length: int, rng: random.Random, alpha: float = 2.0, top: in
     harmonic = sum(k ** -alpha for k in range(1, len(vocab) + 1))
     words = []
     for k, w in enumerate(vocab, start=1):
-        words += [w] * max(1, round(n * k ** -alpha / harmonic))
+        words += [w] * round(n * k ** -alpha / harmonic)  # the Zipf tail ends where counts round to 0
     rng.shuffle(words)
     text = fit_tokens(tokenizer, " ".join(words), length)
     counts = {w: text.split().count(w) for w in vocab[: top + 3]}
