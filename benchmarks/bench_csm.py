@@ -2,6 +2,7 @@
 
     python benchmarks/bench_csm.py                # everything (loads SmolLM2-135M, ~5-10 min on 2 cores)
     python benchmarks/bench_csm.py --skip-model   # only the scaling sweep (synthetic keys)
+    python benchmarks/bench_csm.py --outliers-only   # outlier-head calibration of SmolLM2 (centroidkv, keep 0.25)
 
 1. scaling:  one layer (1 x 3 KV heads x N x 64) compressed to keep-ratio 0.25 with chunk 256, for
              N = 1k ... 32k; the log-log slope of time against N (1 = linear, i.e. O(n c d)).
@@ -249,9 +250,25 @@ def model_part(context: int, decode_tokens: int, decode_steps: int, g: int) -> d
             "prefill_compression": prefill_rows, "decode_compression": decode_row}
 
 
+def calibrate_smollm2(tokens: int, out: Path) -> dict:
+    """Outlier heads of SmolLM2-135M for `centroidkv` at keep 0.25 (4% of 90 KV heads), saved as a
+    JSON that ``kvcompress.outliers.with_outlier_heads(config, path)`` reads."""
+    from kvcompress.hf.calibrate import calibrate_outlier_heads
+
+    model, tok = load_model()
+    ids = essay_ids(tok, tokens)
+    with Clock() as c:
+        report = calibrate_outlier_heads(model, tok, input_ids=ids, config="centroidkv", window=32,
+                                         max_tokens=tokens, keep_ratio=0.25, path=out)
+    print(f"  outlier heads {report['full_heads']} ({c.cpu:.1f} s cpu); written to {out}", flush=True)
+    return report
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-model", action="store_true", help="only the synthetic scaling sweep")
+    ap.add_argument("--outliers-only", action="store_true", help="only the outlier-head calibration")
+    ap.add_argument("--outlier-tokens", type=int, default=2048)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--decode-tokens", type=int, default=512, help="generated tokens simulated per layer")
@@ -264,6 +281,9 @@ def main():
 
     import sys
 
+    if args.outliers_only:
+        calibrate_smollm2(args.outlier_tokens, args.out.parent / "csm_outliers_smollm2.json")
+        return
     result = {"benchmark": "bench_csm", "machine": machine(), "command": " ".join(["python"] + sys.argv)}
     print("scaling (one layer, 3 kv heads, dim 64, keep 0.25, chunk 256):", flush=True)
     result["scaling"] = scaling(args.sizes)

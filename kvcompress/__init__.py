@@ -25,3 +25,12 @@ __all__ = [
     "GUARDS", "register_chunker", "register_clusterer", "register_merger", "register_scorer",
     "register_guard", "list_strategies", "load_plugins", "proportional_attention", "expand_state",
 ]
+
+
+def __getattr__(name: str):
+    # kvcompress.generate needs transformers; import it on first use so the core stays torch-only
+    if name == "generate":
+        from .api import generate
+
+        return generate
+    raise AttributeError(f"module 'kvcompress' has no attribute {name!r}")

@@ -152,17 +152,21 @@ def _make_attention(forced_backend: str | None):
         if step is None:
             return _stock_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        if step.can_use_stock(attention_mask, key.shape[2]):
-            out, _ = _stock_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
-        else:
-            fn = resolve_backend(forced_backend or step.backend, query.device)
-            out = fn(query, key, value, step.log_sizes, scale=scale, causal=step.causal, use_sizes=step.use_sizes)
-            out = out.transpose(1, 2).contiguous()  # [B, L, Hq, Dv], what the model reshapes
-        received = None
-        if step.track_attention:
-            received = attention_received(
-                query, key, step.log_sizes, scale=scale, causal=step.causal or step.fresh,
-                use_sizes=step.use_sizes, query_valid=step.query_valid)
+        try:
+            if step.can_use_stock(attention_mask, key.shape[2]):
+                out, _ = _stock_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+            else:
+                fn = resolve_backend(forced_backend or step.backend, query.device)
+                out = fn(query, key, value, step.log_sizes, scale=scale, causal=step.causal,
+                         use_sizes=step.use_sizes)
+                out = out.transpose(1, 2).contiguous()  # [B, L, Hq, Dv], what the model reshapes
+            received = None
+            if step.track_attention:
+                received = attention_received(query, key, step.log_sizes, scale=scale, causal=step.causal,
+                                              use_sizes=step.use_sizes, query_valid=step.query_valid)
+        except BaseException:
+            step.abort()  # the layers updated in this forward go back to where they were
+            raise
         step.finish(query, received)
         return out, None
 

@@ -65,6 +65,9 @@ class LayerStep:
         return (not self.compressed and self.q > 1 and isinstance(attention_mask, Tensor)
                 and attention_mask.dim() == 4 and attention_mask.shape[-1] == num_keys)
 
+    def abort(self) -> None:
+        self.layer.cache._rollback_forward()
+
     def finish(self, query: Tensor, received: Tensor | None) -> None:
         self.done = True
         self.layer._after_attention(self, query, received)

@@ -1,0 +1,77 @@
+"""The one-call helper: ``kvcompress.generate(model, tokenizer, prompt, ...)``.
+
+    import kvcompress
+    result = kvcompress.generate(model, tokenizer, long_text, preset="semanticache", budget=0.25,
+                                 question="Who wrote it?", max_new_tokens=64)
+    print(result.text)
+    print(result.report["kv_bytes_full"], result.report["kv_bytes_compressed"])
+
+The prompt (the long context) is prefilled and compressed layer by layer; the question, if any,
+follows over the compressed cache; then the model decodes with decode-time recompression. To use
+the compressed cache with ``model.generate`` directly, see ``kvcompress.hf.CompressedCache``.
+Imported lazily by ``kvcompress`` (it needs transformers; the core needs only torch).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .config import PipelineConfig
+from .validation import check_int, check_range, require
+
+
+def budget_overrides(budget) -> dict:
+    """A budget as PipelineConfig overrides: a float in (0, 1] is a keep-ratio (fraction of the
+    tokens kept as slots), an int >= 1 a fixed slot cap per head, None keeps the preset's."""
+    if budget is None:
+        return {}
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        check_int("budget", budget, 1)
+        return {"max_slots": budget, "keep_ratio": None}
+    require(isinstance(budget, float), "budget", budget,
+            "a keep-ratio in (0, 1] (float), a slot count >= 1 (int) or None")
+    check_range("budget", budget, 0.0, 1.0, lo_open=True)
+    return {"keep_ratio": budget, "max_slots": None}
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    preset: "str | Mapping | PipelineConfig | None" = "semanticache",
+    budget: float | int | None = 0.25,
+    max_new_tokens: int = 64,
+    *,
+    question: str | None = None,
+    chat: bool | None = None,
+    backend: str = "auto",
+    do_sample: bool = False,
+    num_beams: int = 1,
+    generation_kwargs: dict | None = None,
+    **overrides,
+):
+    """Compress ``prompt``'s KV cache with ``preset`` at ``budget`` and generate.
+
+    model, tokenizer: a transformers causal LM (full attention, Llama family) and its tokenizer
+    prompt:    the long context (compressed)
+    preset:    a preset name ("semanticache", ...), a dict or a PipelineConfig; None = full cache
+    budget:    keep-ratio in (0, 1] (float) or slots per head (int); None = the preset's budget
+    question:  optional text asked after the compressed context (not compressed itself)
+    chat:      wrap in the tokenizer's chat template (None: when it has one)
+    backend:   attention backend, "auto" (FlexAttention on CUDA, the faster one on CPU), "flex", "sdpa"
+    overrides: PipelineConfig fields or "clusterer.tau"-style strategy params
+               (``**{"clusterer.tau": 0.9}``)
+    returns    GenerationResult: ``.text``, ``.token_ids`` and ``.report`` (answer, kv_bytes_full,
+               kv_bytes_compressed, slots_per_layer, prefill_s, compress_s, decode_s, ...)
+    """
+    from .hf.generate import generate as _generate
+
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if preset is None:
+        require(budget is None or budget == 1.0, "budget", budget, "None when preset=None (full cache)")
+        require(not overrides, "overrides", sorted(overrides), "none when preset=None (full cache)")
+    else:
+        overrides = {**budget_overrides(budget), **overrides}
+    return _generate(model, tokenizer, prompt, question=question, pipeline=preset, max_new_tokens=max_new_tokens,
+                     chat=chat, backend=backend, do_sample=do_sample, num_beams=num_beams,
+                     generation_kwargs=generation_kwargs, **overrides)
