@@ -15,7 +15,8 @@ Three layers, each usable on its own:
 2. ``flex_proportional_attention``: calls one ``torch.compile``'d flex_attention (inductor; on CPU
    it needs a C++ compiler). Shapes that change from step to step (slots N, query length L) are
    marked dynamic, so a generation compiles a handful of graphs, not one per step (L == 1 and
-   N == 1 are specialised by dynamo and get their own graph). ``compile_count()`` counts the
+   N == 1 are specialised by dynamo and get their own graph); batch size, heads, head dims,
+   dtype and device stay static, one kernel (code object) each. ``compile_count()`` counts the
    graphs compiled by this module. Causality and ``use_sizes`` are data (a 0-d offset tensor and
    the bias tensor), not Python flags, so they never cause recompiles; offsets are tensors
    because inductor-CPU failed on Python-int offsets after a dynamic recompile.
@@ -33,7 +34,7 @@ compares the two outputs and keeps SDPA if they disagree.
 
 Dtypes: float16 / bfloat16 inputs run natively on CPU and CUDA; log-sizes and the bias are
 float32 and flex adds them to float32 scores; the output has the query's dtype.
-A query row that can see no slot at all (only padding) gives zeros here and NaN on SDPA.
+A query row that can see no slot at all (only padding) gives zeros, on both backends (torch 2.13).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -106,14 +108,15 @@ def padding_mask(log_sizes: Tensor, groups: int = 1) -> ScoreMod:
     return _named(mask, "padding_mask")
 
 
-def bottom_right_causal(offset: int | Tensor) -> ScoreMod:
+def bottom_right_causal(offset: int | Tensor, device=None) -> ScoreMod:
     """-inf where kv_idx > q_idx + offset.
 
     For q_len new tokens that are the last q_len of N slots, offset = N - q_len: query i sees
     slots < N - q_len + i + 1 (bottom-right alignment in slot space). offset is kept as a 0-d
-    tensor (an int is converted, on the CPU) so a change of value never recompiles.
+    tensor (an int is converted, on ``device``) so a change of value never recompiles; give
+    the attention's device (or a tensor already there).
     """
-    off = _as_offset(offset)
+    off = _as_offset(offset, device)
 
     def causal(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx <= q_idx + off, score, NEG_INF)
@@ -139,16 +142,19 @@ def proportional_score_mod(
     """The full proportional-attention score_mod: size bias (or padding mask) then causality.
 
     log_sizes: [B, H_kv, N]
-    offset:    N - q_len for bottom-right causality, None for none
+    offset:    N - q_len for bottom-right causality (an int goes to log_sizes' device), None
+               for none
     use_sizes: False keeps only the padding mask (ablation "proportional off")
     """
     first = log_size_bias(log_sizes, groups) if use_sizes else padding_mask(log_sizes, groups)
-    return first if offset is None else compose(first, bottom_right_causal(offset))
+    if offset is None:
+        return first
+    return compose(first, bottom_right_causal(offset, log_sizes.device))
 
 
-def bottom_right_causal_mask(offset: int | Tensor) -> MaskMod:
+def bottom_right_causal_mask(offset: int | Tensor, device=None) -> MaskMod:
     """mask_mod twin of ``bottom_right_causal``: True where kv_idx <= q_idx + offset."""
-    off = _as_offset(offset)
+    off = _as_offset(offset, device)
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + off
@@ -158,14 +164,15 @@ def bottom_right_causal_mask(offset: int | Tensor) -> MaskMod:
 def causal_block_mask(q_len: int, kv_len: int, device="cpu", block_size: int = 128) -> BlockMask:
     """A BlockMask (broadcast over batch and heads) for bottom-right causality, q_len <= kv_len.
 
-    Optional: ``flex_proportional_attention`` applies causality in its score_mod anyway; a block
-    mask only lets flex skip fully masked blocks on long multi-token inputs. Built eagerly
-    (O(q_len * kv_len) work), so build it once per forward, not per layer.
+    For callers of flex_attention with these score_mods who want flex to skip fully masked
+    blocks on long multi-token inputs (``flex_proportional_attention`` takes none: a BlockMask
+    carries its lengths as ints, which would specialise the compiled graph per length, and it
+    applies causality in the score_mod). Built eagerly (O(q_len * kv_len) work): build it once
+    per forward, not per layer.
     """
     require(isinstance(q_len, int) and 1 <= q_len <= kv_len, "q_len", q_len,
             f"an integer in [1, kv_len={kv_len}]")
-    off = torch.tensor(kv_len - q_len, device=device)
-    return create_block_mask(bottom_right_causal_mask(off), None, None, q_len, kv_len,
+    return create_block_mask(bottom_right_causal_mask(kv_len - q_len, device), None, None, q_len, kv_len,
                              device=device, BLOCK_SIZE=block_size)
 
 
@@ -192,13 +199,35 @@ def reset_compile_count() -> None:
 
 
 def _flex_kernel(query, keys, values, bias, offset, groups: int, scale: float | None):
-    # One code object for every mode: causality and use_sizes arrive as tensors, so only
-    # dtype, device, head layout and the 0/1 size specialisations can add graphs.
+    # Causality and use_sizes arrive as tensors, so every mode shares a graph.
     score_mod = compose(log_size_bias(bias, groups), bottom_right_causal(offset))
     return flex_attention(query, keys, values, score_mod=score_mod, scale=scale, enable_gqa=True)
 
 
-_compiled_kernel = torch.compile(_flex_kernel, backend=_counting_inductor, fullgraph=True)
+_KERNELS: dict[tuple, Callable] = {}
+
+
+def _kernel_for(query: Tensor, keys: Tensor, values: Tensor) -> Callable:
+    """The compiled kernel of one (device, dtype, B, H_q, H_kv, D, D_v).
+
+    Dynamo caches graphs per code object and fails hard (fullgraph) after recompile_limit (8)
+    graphs, which a long-lived process with several models or batch sizes would reach with one
+    shared kernel; each signature therefore gets its own copy of the code object, holding at
+    most the L == 1 / L > 1 and N == 1 / N > 1 variants.
+    dynamic=False turns off automatic dynamic shapes: only N and L, marked in
+    ``_mark_dynamic``, are symbolic. (A batch dim made dynamic by automatic dynamic made
+    inductor's CPU flex template emit C++ that does not compile, "'cur_qSplitSize4' was not
+    declared", in torch 2.13.)
+    """
+    sig = (str(query.device), query.dtype, query.shape[0], query.shape[1], keys.shape[1],
+           query.shape[3], values.shape[3])
+    fn = _KERNELS.get(sig)
+    if fn is None:
+        code = _flex_kernel.__code__.replace(co_name=f"_flex_kernel_{len(_KERNELS)}")
+        fresh = types.FunctionType(code, _flex_kernel.__globals__, code.co_name)
+        fn = _KERNELS[sig] = torch.compile(fresh, backend=_counting_inductor, fullgraph=True,
+                                           dynamic=False)
+    return fn
 
 
 def _check_inputs(query: Tensor, keys: Tensor, values: Tensor, log_sizes: Tensor, causal: bool) -> None:
@@ -274,8 +303,8 @@ def flex_proportional_attention(
     # Non-causal = an offset no slot index can exceed.
     offset = torch.tensor(N - L if causal else N, dtype=torch.int64, device=query.device)
     _mark_dynamic(query, keys, values, bias)
-    return _compiled_kernel(query, keys, values, bias, offset, Hq // Hkv,
-                            None if scale is None else float(scale))
+    return _kernel_for(query, keys, values)(query, keys, values, bias, offset, Hq // Hkv,
+                                            None if scale is None else float(scale))
 
 
 def sdpa_proportional_attention(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -107,12 +109,19 @@ def test_gsc_merges_into_seed_not_chain():
     assert plan.parent[0, 0].tolist() == [0, 0, 2]
 
 
-def test_gsc_tau_one_merges_nothing_even_identical_keys():
-    # identical keys have cosine 1 up to rounding; "cos > 1" must never hold
-    keys = torch.full((1, 2, 7, 5), 0.3)
-    keys[0, 1] = torch.randn(7, 5)
-    keys[0, 1, 3] = keys[0, 1, 2]
+@pytest.mark.parametrize("dense", [True, False])
+def test_gsc_tau_one_merges_nothing_even_identical_keys(dense):
+    # identical keys have cosine 1 up to rounding, often slightly above 1 in float32; "cos > 1"
+    # must never hold
+    k = torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(0))
+    keys = k.repeat_interleave(2, dim=2)  # [1, 2, 128, 8]: every key twice in a row
+    kn = F.normalize(keys, dim=-1)
+    assert bool(((kn[..., ::2, :] * kn[..., 1::2, :]).sum(-1) > 1.0).any())  # the rounding is real
     state = KVState.from_raw(keys, torch.randn_like(keys))
-    chunk = torch.zeros(1, 2, 7, dtype=torch.long)
-    plan = GreedySeedClustering(tau=1.0)(state, chunk, torch.tensor([[7, 7]]), 0)
-    assert torch.equal(plan.parent, torch.arange(7).expand(1, 2, 7))
+    chunk = torch.zeros(1, 2, 128, dtype=torch.long)
+    gsc = GreedySeedClustering(tau=1.0, dense_limit=(1 << 26) if dense else 1)
+    plan = gsc(state, chunk, torch.tensor([[128, 128]]), 0)
+    assert torch.equal(plan.parent, torch.arange(128).expand(1, 2, 128))
+    # just below 1 every duplicate joins its twin
+    plan = GreedySeedClustering(tau=0.9999)(state, chunk, torch.tensor([[128, 128]]), 0)
+    assert torch.equal(plan.parent[0, 0, 1::2], torch.arange(0, 128, 2))

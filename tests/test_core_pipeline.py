@@ -158,7 +158,7 @@ def test_compression_invariants(seed, B, H, N, chunker, budget, sinks, recent, p
 def test_config_that_merges_nothing_is_an_exact_identity(chunker, how):
     state = make_state(3, B=2, H=2, N=20, with_membership=False)
     keys = state.keys.clone()
-    keys[:, :, 10] = keys[:, :, 9]  # identical keys: cosine 1 up to rounding must still not merge
+    keys[:, :, 10:] = keys[:, :, :10]  # identical keys: cosine 1 up to rounding must still not merge
     state = state.replace(keys=keys)
     if how == "keep_ratio=1":
         cfg = _config(chunker, 1.0, 2, 2)
@@ -188,6 +188,7 @@ def test_left_padding_sinks_start_at_the_first_real_token():
     cfg = _config("global", 1, 2, 0)  # keep only what protection forces + one merged slot
     out, _ = Pipeline(cfg).compress(state)
     check_invariants(state, out, cfg, "global")
+    assert out.num_slots == 3  # padding is dropped, not just masked
     for b, p in enumerate(pad):
         for h in range(2):
             kept = out.positions[b, h][out.valid[b, h]].tolist()

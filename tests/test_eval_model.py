@@ -125,7 +125,7 @@ def test_trace_mark_against_a_hand_count():
 def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, samples, tmp_path):
     from kvcompress.cli_eval import finish
 
-    methods = parse_methods("full,semanticache,centroidkv,snapkv", None, SMALL)
+    methods = parse_methods("full,semanticache,snapkv", None, SMALL)
     grid = Grid(methods, (0.5, 0.25), ("agnostic", "aware"))
     counter = ForwardCounter(model)
     try:
@@ -133,7 +133,7 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
         records = run_qa(model, tok, samples, grid, store, backend="sdpa", progress=False, max_new_tokens=3)
     finally:
         counter.close()
-    n_cells = 2 * (1 + 3 * 2)
+    n_cells = 2 * (1 + 2 * 2)
     assert len(records) == len(samples) * n_cells
     heads = [build_prompt(tok, s.context, s.question).head.shape[1] for s in samples]
     # the model saw each context once: one head-length forward per sample, whatever the methods
@@ -145,11 +145,12 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
                       "leading_digits", "keep_max", "keep_mean", "budget_met", "trace", "compress_s"):
             assert field in r, field
         assert r["budget_met"] == (r["keep_max"] <= r["budget"] + 1e-9)
-        assert r["compressed_tokens"] == r["context_tokens"] + (0 if r["protocol"] == "agnostic" else
-                                                                r["compressed_tokens"] - r["context_tokens"])
-    aware = [r for r in records if r["protocol"] == "aware"]
-    agnostic = [r for r in records if r["protocol"] == "agnostic"]
-    assert min(r["compressed_tokens"] for r in aware) > max(r["compressed_tokens"] for r in agnostic) - 1
+    for s, head in zip(samples, heads):
+        tail = build_prompt(tok, s.context, s.question).tail.shape[1]
+        for r in records:
+            if r["sample_id"] == s.sample_id:  # aware compresses the question too, all but the last token
+                assert r["compressed_tokens"] == head + (0 if r["protocol"] == "agnostic" else tail - 1)
+                assert r["context_tokens"] < head
     # delimiter SemantiCache cannot reach keep 0.25 on this text: best effort, reported honestly
     sc = [r for r in records if r["preset"] == "semanticache" and r["budget"] == 0.25]
     assert sc and all(not r["budget_met"] and r["keep_max"] > 0.25 for r in sc)
@@ -170,7 +171,7 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
                       progress=False, max_new_tokens=3)
     finally:
         counter.close()
-    assert len(more) == len(samples) * 2 * (1 + 3 * 3)
+    assert len(more) == len(samples) * 2 * (1 + 2 * 3)
     assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == len(more)
 
     summary = finish(tmp_path, "niah", {"task": "niah"}, more)
@@ -215,7 +216,7 @@ def test_fidelity_full_cache_is_exact_and_compression_is_not(model, tok, tmp_pat
     assert full["positions"] == 20
     for r in records:
         if r["method"] != "full":
-            assert r["kl"] > 1e-4 and r["keep_max"] <= 0.5 + 1e-9
+            assert r["kl"] > 1e-9 and r["top1"] <= 1.0 and r["keep_max"] <= 0.5 + 1e-9
 
 
 # ------------------------------------------------------------------------------ CLI

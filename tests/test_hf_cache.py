@@ -193,3 +193,58 @@ def test_unbound_cache_with_set_inputs():
     nxt = prompt_ids(27, 1)  # no set_inputs: ids unknown (-1), still exact
     torch.testing.assert_close(_step(model, nxt, cache), _step(stock, nxt, ref), atol=1e-5, rtol=0)
     assert cache.token_ids[0, -1].item() == -1
+
+
+def test_proportional_attention_off_ignores_sizes_but_still_masks_padding():
+    model = tiny_model(seed=28)
+    ids = prompt_ids(29, 40)
+    padded_ids = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 40, dtype=torch.long)], dim=1)
+    off, on = make_cache(model, **MERGING, proportional_attention=False), make_cache(model, **MERGING)
+    for cache in (off, on):
+        _step(model, padded_ids, cache, attention_mask=mask)
+    # the same slots with every valid log-size set to 0 (weight 1 each), padding kept at -inf
+    for layer in on.layers:
+        ls = layer._ls[:, :, : layer.n]
+        ls.copy_(torch.where(torch.isinf(ls), ls, torch.zeros_like(ls)))
+    nxt = prompt_ids(30, 1)
+    mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
+    got = _step(model, nxt, off, attention_mask=mask)
+    torch.testing.assert_close(got, _step(model, nxt, on, attention_mask=mask), atol=1e-6, rtol=0)
+    with_sizes = make_cache(model, **MERGING)
+    _step(model, padded_ids, with_sizes, attention_mask=mask[:, :-1])
+    assert (got - _step(model, nxt, with_sizes, attention_mask=mask)).abs().max() > 1e-4
+
+
+def test_hooks_are_removed_with_the_cache():
+    import gc
+
+    model = tiny_model(seed=31)
+    cache = make_cache(model, **MERGING)
+    base = model.model
+    assert len(base._forward_pre_hooks) == 1 and len(base._forward_hooks) == 1
+    del cache
+    gc.collect()
+    assert len(base._forward_pre_hooks) == 0 and len(base._forward_hooks) == 0
+    with make_cache(model, **MERGING) as cache:  # or explicitly, keeping the contents
+        _step(model, prompt_ids(32, 20), cache)
+    assert len(base._forward_pre_hooks) == 0 and cache.get_seq_length() == 20
+
+
+def test_token_texts_are_built_once_per_tokenizer_and_feed_the_delimiter_chunker():
+    from test_hf_utils import tiny_tokenizer
+
+    from kvcompress.hf import token_texts
+
+    tok = tiny_tokenizer()
+    table = token_texts(tok)
+    assert token_texts(tok) is table and len(table) == len(tok)
+    assert table[tok.convert_tokens_to_ids(".")] == "."
+    model = tiny_model(seed=33)
+    cache = CompressedCache.for_model(model, tok, "semanticache", keep_ratio=0.5, recent=4, backend="sdpa")
+    ids = tok("the secret code word is pineapple . " * 8, return_tensors="pt")["input_ids"]
+    _step(model, ids, cache)
+    dot = tok.convert_tokens_to_ids(".")
+    kept = cache.layers[0].state().slot_token_ids()
+    assert int((kept == dot).sum()) == 2 * 8  # every delimiter survives as an anchor, in both heads
+    assert cache.layers[0].n < ids.shape[1]

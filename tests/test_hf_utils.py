@@ -20,7 +20,7 @@ from kvcompress.attention import expand_state  # noqa: E402
 from kvcompress.hf import CompressedCache, register_attention  # noqa: E402
 
 # The tiny model's matmuls take microseconds: worker threads only add overhead (10x on a loaded
-# 2-core machine). Real-model tests restore the default thread count (``all_threads``).
+# 2-core machine). Real-model tests restore the default thread count (_DEFAULT_THREADS).
 _DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 
@@ -33,15 +33,6 @@ DELIMITER_IDS = tuple(i for i in range(VOCAB_SIZE) if i % 8 == 0)
 # a pipeline that surely merges on a 40-60 token prompt: fixed chunks of 8, few protected slots
 MERGING = dict(keep_ratio=0.5, sinks=2, recent=4, chunker={"name": "fixed", "params": {"size": 8}})
 MERGE_NOTHING = dict(keep_ratio=1.0)
-
-
-@pytest.fixture
-def all_threads():
-    """Run a test (a real model) with the machine's default thread count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(_DEFAULT_THREADS)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_config(**changes) -> LlamaConfig:
@@ -85,6 +76,19 @@ def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor
         ids[b, T - p.numel():] = p
         mask[b, T - p.numel():] = 1
     return ids, mask
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer over TINY_VOCAB-sized ids (unknown words -> [UNK])."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "[PAD]", ".", ",", "?", "the", "a", "is", "of", "to", "and", "in", "secret", "code",
+             "word", "pineapple", "What"]
+    words += [f"w{i}" for i in range(VOCAB_SIZE - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                                eos_token="[PAD]")
 
 
 def make_cache(model, pipeline="semanticache", backend="sdpa", **overrides) -> CompressedCache:

@@ -54,7 +54,10 @@ def split_prompt(tokenizer, context: str, question: str | None, chat: bool | Non
         content = context if not question else f"{context}\n\n{question}"
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                  add_generation_prompt=True)
-        cut = rendered.index(context) + len(context)
+        at = rendered.find(context)
+        if at < 0:  # a template that rewrites the text: compress the whole rendered prompt
+            return rendered, "", True
+        cut = at + len(context)
         return rendered[:cut], rendered[cut:], True
     return context, (f"\n\n{question}\n" if question else ""), False
 

@@ -81,9 +81,9 @@ class BucketSimilarity:
     """
 
     def __init__(self, kn: Tensor, bucket: Bucket, num_slots: int, dense_limit: int):
-        self.keys = kn[bucket.flat_index(num_slots)]  # [S, L, D]
         self.mask = bucket.mask
         S, L = self.mask.shape
+        self.keys = kn.index_select(0, bucket.flat_index(num_slots).view(-1)).view(S, L, -1)  # [S, L, D]
         self.words = _word_layout(L)
         self.dense = self._compute(0, L) if S * L * L <= dense_limit else None
         self.row_block = L if self.dense is not None else max(1, dense_limit // max(1, S * L))
@@ -106,27 +106,27 @@ class BucketSimilarity:
         return max(1, min(self.row_block, ADJ_LIMIT // max(1, per_row)))
 
     def spared(self, tau: Tensor) -> list[tuple[int, Tensor]]:
-        """Blocks (i0, words [b, C, S, W]): per seed row i = i0 + r, the bitset of the members
-        that i does NOT absorb, for C thresholds tau [C, S].
+        """Blocks (i0, words [b, S, C, W]): per seed row i = i0 + r, the bitset of the members
+        that i does NOT absorb, for C thresholds tau [S, C].
 
         With the dense cosines at hand, each row is sorted once: the members above a threshold
         are then a prefix of the row sorted by decreasing cosine, whose bitset is read from a table
         of prefix unions after a binary search: O(C S L log L) per call instead of O(C S L^2)."""
         width, dtype, W = self.words
         L = self.mask.shape[1]
-        C, S = tau.shape
+        S, C = tau.shape
         if self.dense is not None and L * S * (L + 1) * W * 8 <= TABLE_LIMIT:
             if self._table is None:
                 self._table = self._prefix_table()
             neg_sorted, table = self._table
             # members above tau: the first `above` of the row sorted by decreasing cosine
-            above = torch.searchsorted(neg_sorted, (-tau).t()[None].expand(L, S, C).contiguous())  # [L, S, C]
-            flat = above + torch.arange(L * S, device=above.device).view(L, S, 1) * (L + 1)
-            words = table.view(-1, W).index_select(0, flat.transpose(1, 2).reshape(-1))
-            return [(0, words.view(L, C, S, W))]
+            above = torch.searchsorted(neg_sorted, tau.neg()[None].expand(L, S, C).contiguous())  # [L, S, C]
+            above += torch.arange(L * S, device=above.device).view(L, S, 1) * (L + 1)  # row offsets
+            words = table.view(-1, W).index_select(0, above.view(-1))
+            return [(0, words.view(L, S, C, W))]
         step = self.block(C * S * L)
-        thr = tau[None, :, :, None]  # [1, C, S, 1]
-        return [(i0, ~_pack(self.rows(i0, min(i0 + step, L))[:, None] > thr, width, dtype))
+        thr = tau[None, :, :, None]  # [1, S, C, 1]
+        return [(i0, ~_pack(self.rows(i0, min(i0 + step, L))[:, :, None] > thr, width, dtype))
                 for i0 in range(0, L - 1, step)]
 
     def _prefix_table(self) -> tuple[Tensor, Tensor]:
@@ -153,22 +153,23 @@ def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
     tau: [C, S] threshold per segment. A slot stays unassigned until an earlier seed absorbs it,
     and seeds are never absorbed, so the slots still unassigned after the walk are the seeds. The
     walk keeps each segment's unassigned members as a bitset, so a step costs a handful of ops on
-    [C, S] words whatever the segment length.
+    [S, C] words whatever the segment length.
     """
     S, L = sims.mask.shape
     C = tau.shape[0]
     width, dtype, W = sims.words
-    unassigned = _pack(sims.mask, width, dtype)[None].expand(C, S, W).clone()  # padding: assigned
+    # [S, C, W]: segment-major like the similarity rows, so no step needs a transposed copy
+    unassigned = _pack(sims.mask, width, dtype)[:, None].expand(S, C, W).clone()  # padding: assigned
     # 0-d operands of the word dtype: Python ints would be converted on every step
     one = torch.ones((), dtype=dtype, device=tau.device)
     shifts = torch.arange(width, dtype=dtype, device=tau.device)
-    for i0, spared in sims.spared(tau):
+    for i0, spared in sims.spared(tau.t()):
         for r in range(min(spared.shape[0], L - 1 - i0)):  # the last member has nobody after it
             w, bit = divmod(i0 + r, width)
-            # [C, S]: 0 where member i is (still) a seed, all ones where it is not
+            # [S, C]: 0 where member i is (still) a seed, all ones where it is not
             not_seed = torch.bitwise_right_shift(unassigned[:, :, w], shifts[bit]).bitwise_and_(one).sub_(one)
             unassigned.bitwise_and_(torch.bitwise_or(spared[r], not_seed[..., None]))
-    return _unpack(unassigned, width, L) & sims.mask
+    return (_unpack(unassigned, width, L) & sims.mask[:, None]).transpose(0, 1)
 
 
 def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor:

