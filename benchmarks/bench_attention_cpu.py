@@ -82,22 +82,27 @@ def decode_case(name: str, n: int, reps: int, dtype: torch.dtype) -> dict:
 
 
 def generation_compiles(name: str, prompt: int, steps: int) -> dict:
-    """One prefill of ``prompt`` tokens, then ``steps`` decode steps, counting compiles."""
+    """One prefill of ``prompt`` tokens, then ``steps`` decode steps, counting compiles.
+
+    The cache grows by concatenation each step, as transformers' DynamicLayer does, so every
+    call gets contiguous tensors with one more slot.
+    """
     hq, hkv, d = SHAPES[name]
     g = torch.Generator().manual_seed(1)
-    total = prompt + steps
-    k = torch.randn(1, hkv, total, d, generator=g)
-    v = torch.randn(1, hkv, total, d, generator=g)
-    ls = torch.zeros(1, hkv, total)
+    k = torch.randn(1, hkv, prompt, d, generator=g)
+    v = torch.randn(1, hkv, prompt, d, generator=g)
+    ls = torch.zeros(1, hkv, prompt)
     c0 = flex.compile_count()
     t0 = time.perf_counter()
-    flex.flex_proportional_attention(torch.randn(1, hq, prompt, d, generator=g), k[:, :, :prompt],
-                                     v[:, :, :prompt], ls[:, :, :prompt])
+    flex.flex_proportional_attention(torch.randn(1, hq, prompt, d, generator=g), k, v, ls)
     prefill_compiles, prefill_s = flex.compile_count() - c0, time.perf_counter() - t0
     q = torch.randn(1, hq, 1, d, generator=g)
     t0 = time.perf_counter()
-    for n in range(prompt + 1, total + 1):
-        flex.flex_proportional_attention(q, k[:, :, :n], v[:, :, :n], ls[:, :, :n])
+    for _ in range(steps):
+        k = torch.cat([k, torch.randn(1, hkv, 1, d, generator=g)], dim=2)
+        v = torch.cat([v, torch.randn(1, hkv, 1, d, generator=g)], dim=2)
+        ls = torch.cat([ls, torch.zeros(1, hkv, 1)], dim=2)
+        flex.flex_proportional_attention(q, k, v, ls)
     return {"model": name, "prompt_tokens": prompt, "decode_steps": steps,
             "compiles_prefill": prefill_compiles,
             "compiles_decode": flex.compile_count() - c0 - prefill_compiles,

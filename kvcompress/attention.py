@@ -83,7 +83,7 @@ def expand_state(state: KVState) -> tuple[Tensor, Tensor, Tensor]:
     T = int(sizes.sum(-1).max())
     out_k = state.keys.new_zeros(B, H, T, D)
     out_v = state.values.new_zeros(B, H, T, state.values.shape[-1])
-    out_ls = torch.full((B, H, T), float("-inf"))
+    out_ls = torch.full((B, H, T), float("-inf"), device=state.keys.device)
     for b in range(B):
         for h in range(H):
             reps = sizes[b, h]

@@ -44,6 +44,15 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+# the `kvcompress` CLI discovers commands by these three names (see kvcompress/cli.py)
+COMMAND = "viz"
+HELP = "render what a pipeline merged (HTML / PNG)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return _configure(parser)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``viz`` sub-command on an argparse sub-parsers object."""
     parser = subparsers.add_parser("viz", help="render what a pipeline merged (HTML / PNG)", description=DESCRIPTION)

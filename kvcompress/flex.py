@@ -291,7 +291,10 @@ def flex_proportional_attention(
     use_sizes: False drops the size bias but still masks padding
     returns    [B, H_q, L, D_v] in the query's dtype
 
-    Works on CPU (inductor + a C++ compiler) and CUDA; see ``compile_count()``.
+    Works on CPU (inductor + a C++ compiler) and CUDA; see ``compile_count()``. Strides are
+    static in the compiled graph: pass contiguous tensors (as a cache grown by torch.cat holds),
+    or always slices of one fixed buffer; switching between the two adds a graph.
+    On CPU, D and D_v must be >= CPU_MIN_HEAD_DIM.
     """
     _check_inputs(query, keys, values, log_sizes, causal)
     _check_flex_head_dims(query, values)

@@ -76,6 +76,8 @@ class KVState:
                 "attention_mask", tuple(attention_mask.shape), f"shape {(B, N)}",
             )
             real = attention_mask.to(torch.bool)  # [B, N]
+            require(bool((real[:, 1:] >= real[:, :-1]).all()), "attention_mask", "a mask with holes or right padding",
+                    "left padding only (zeros, then ones, in every row)")
             log_sizes = log_sizes.masked_fill(~real[:, None, :], NEG_INF)
             positions = positions.masked_fill(~real[:, None, :], -1)
             seq_start = (~real).long().cumprod(dim=1).sum(dim=1)  # leading pads per row
@@ -155,6 +157,7 @@ class KVState:
             tuple(self.positions.shape) == (B, H, N),
             "positions", tuple(self.positions.shape), f"shape {(B, H, N)}",
         )
+        require(self.positions.dtype == torch.long, "positions.dtype", self.positions.dtype, "torch.int64")
         require(self.num_tokens >= 0, "num_tokens", self.num_tokens, "a count >= 0")
         tensors = {"keys": k, "values": v, "log_sizes": self.log_sizes, "positions": self.positions}
         if self.token_ids is not None:
@@ -163,6 +166,7 @@ class KVState:
                 and self.token_ids.shape[1] >= self.num_tokens,
                 "token_ids", tuple(self.token_ids.shape), f"shape ({B}, >= {self.num_tokens})",
             )
+            require(self.token_ids.dtype == torch.long, "token_ids.dtype", self.token_ids.dtype, "torch.int64")
             tensors["token_ids"] = self.token_ids
         if self.protected is not None:
             require(

@@ -96,7 +96,7 @@ def reference_gsc(keys: torch.Tensor, chunk_ids: torch.Tensor, valid: torch.Tens
     parent = torch.full((B, H, N), -1, dtype=torch.long)
     for b in range(B):
         for h in range(H):
-            k = keys[b, h].double()
+            cos = _cosines(keys[b, h])
             for n in range(N):
                 if valid[b, h, n]:
                     parent[b, h, n] = n
@@ -108,17 +108,18 @@ def reference_gsc(keys: torch.Tensor, chunk_ids: torch.Tensor, valid: torch.Tens
                     if s in assigned:
                         continue
                     for t in members[i + 1:]:
-                        if t not in assigned and _cos(k[s], k[t]) > tau:
+                        if t not in assigned and cos[s][t] > tau:
                             assigned.add(t)
                             parent[b, h, t] = s
     return parent
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    na, nb = float(a.norm()), float(b.norm())
-    if na == 0.0 or nb == 0.0:
-        return 0.0
-    return float(a @ b) / (na * nb)
+def _cosines(k: torch.Tensor) -> list[list[float]]:
+    """All pairwise cosines of [N, D] keys in float64 as nested lists (0 for a zero key)."""
+    k = k.double()
+    norms = k.norm(dim=-1)
+    unit = k / torch.where(norms > 0, norms, 1.0)[:, None]
+    return (unit @ unit.T).tolist()
 
 
 def min_gap_to_tau(keys: torch.Tensor, chunk_ids: torch.Tensor, tau: float) -> float:

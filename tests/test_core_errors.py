@@ -153,3 +153,21 @@ def test_layer_idx_and_full_heads_are_checked():
 def test_not_a_state():
     with pytest.raises(ValueError, match="state='Tensor' is invalid: expected a KVState"):
         Pipeline("semanticache").compress(torch.zeros(1, 1, 2, 2))
+
+
+def test_attention_mask_must_be_left_padding():
+    k = torch.randn(2, 1, 4, 3)
+    with pytest.raises(ValueError, match="attention_mask=.* left padding only"):
+        KVState.from_raw(k, k, attention_mask=torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="attention_mask=.* left padding only"):
+        KVState.from_raw(k, k, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 0, 1]]))
+    state = KVState.from_raw(k, k, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
+    assert state.seq_start.tolist() == [0, 2] and state.real_tokens().tolist() == [4, 2]
+
+
+def test_positions_and_token_ids_must_be_long():
+    state = make_state(0, B=1, H=1, N=4, with_membership=False)
+    with pytest.raises(ValueError, match="positions.dtype=torch.int32"):
+        state.replace(positions=state.positions.int()).validate()
+    with pytest.raises(ValueError, match="token_ids.dtype=torch.int32"):
+        state.replace(token_ids=state.token_ids.int()).validate()

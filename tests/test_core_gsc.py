@@ -125,3 +125,30 @@ def test_gsc_tau_one_merges_nothing_even_identical_keys(dense):
     # just below 1 every duplicate joins its twin
     plan = GreedySeedClustering(tau=0.9999)(state, chunk, torch.tensor([[128, 128]]), 0)
     assert torch.equal(plan.parent[0, 0, 1::2], torch.arange(0, 128, 2))
+
+
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("tau", [-0.2, 0.3, 0.75])
+def test_gsc_long_chunks_need_several_bitset_words(dense, tau):
+    # chunks longer than 64 members: multi-word bitsets (and the unpaired threshold table)
+    state, chunk = _random_case(7, 1, 2, 150, 6, 2, 0.1, 0.05)
+    chunk = torch.where(chunk >= 0, 0, -1)  # one chunk of ~125 members per head
+    chunk[0, 1, 100:] = torch.where(chunk[0, 1, 100:] >= 0, 1, -1)
+    assume_gap = min_gap_to_tau(state.keys, chunk, tau)
+    assert assume_gap > 1e-5
+    gsc = GreedySeedClustering(tau=tau, dense_limit=(1 << 26) if dense else 1)
+    plan = gsc(state, chunk, torch.full((1, 2), 150), 0)
+    assert torch.equal(plan.parent, reference_gsc(state.keys, chunk, state.valid, tau))
+
+
+def test_gsc_search_on_long_chunks():
+    state, chunk = _random_case(8, 1, 2, 150, 6, 1, 0.1, 0.0)
+    target = torch.tensor([[60, 30]])
+    plan = GreedySeedClustering()(state, chunk, target, 0)
+    slot = torch.arange(150)
+    assert bool((((plan.parent == slot) & state.valid).sum(-1) <= target).all())
+    for h in range(2):
+        t = float(plan.tau[0, h])
+        assert min_gap_to_tau(state.keys[:, h:h + 1], chunk[:, h:h + 1], t) > 1e-6
+        ref = reference_gsc(state.keys[:, h:h + 1], chunk[:, h:h + 1], state.valid[:, h:h + 1], t)
+        assert torch.equal(plan.parent[0, h], ref[0, 0])

@@ -91,6 +91,7 @@ class CompressedCache(Cache):
         self._ids: Tensor | None = None  # [B, cap] long, ids of all tokens seen (-1 = unknown)
         self._seq_start: Tensor | None = None  # [B] long, leading pad tokens per row
         self._num_tokens = 0
+        self._max_left_pad = 0  # the longest left padding of a row (a Python int, for cheap checks)
         self._fwd: _Forward | None = None
         self._fwd_counter = 0
         self._bound_to: str | None = None
@@ -231,6 +232,7 @@ class CompressedCache(Cache):
         for layer in self.layers:
             layer.reset()
         self._ids, self._seq_start, self._num_tokens, self._fwd = None, None, 0, None
+        self._max_left_pad = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         for layer in self.layers:
@@ -306,7 +308,7 @@ class CompressedCache(Cache):
             pad = ~attention_mask[:, T:].to(device=device, dtype=torch.bool)
             if not bool(pad.any()):
                 pad = None
-        undo = (self._ids, self._seq_start, self._num_tokens)
+        undo = (self._ids, self._seq_start, self._num_tokens, self._max_left_pad)
         if self._ids is None:
             self._ids = torch.full((B, _round_up(q)), -1, dtype=torch.long, device=device)
         elif T + q > self._ids.shape[1]:
@@ -317,6 +319,7 @@ class CompressedCache(Cache):
         self._ids[:, T: T + q] = -1 if input_ids is None else input_ids.to(device=device, dtype=torch.long)
         if T == 0:
             self._seq_start = None if pad is None else pad.long().cumprod(dim=1).sum(dim=1)
+            self._max_left_pad = 0 if self._seq_start is None else int(self._seq_start.max())
         self._num_tokens = T + q
         self._fwd_counter += 1
         self._fwd = _Forward(self._fwd_counter, q, B, pad, implicit, undo)
@@ -360,7 +363,7 @@ class CompressedCache(Cache):
     def _undo_forward(self, fwd: _Forward) -> None:
         for layer in self.layers:
             layer._rollback()
-        self._ids, self._seq_start, self._num_tokens = fwd.undo
+        self._ids, self._seq_start, self._num_tokens, self._max_left_pad = fwd.undo
 
     def _rollback_forward(self) -> None:
         """Undo the forward in flight (a compression failed): the cache is as before it."""

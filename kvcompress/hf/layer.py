@@ -373,6 +373,8 @@ class CompressedLayer(CacheLayerMixin):
         cache = self.cache
         if cache.pipeline is None or not cache.enabled:
             return
+        if not step.fresh and not self._may_exceed_budget():
+            return  # the common decode step: no KVState, no tensor op
         state = self.state()
         if not step.fresh and not cache.decoder.should_compress(state, self.layer_idx):
             return
@@ -387,6 +389,17 @@ class CompressedLayer(CacheLayerMixin):
         self._set_state(new_state)
         self.last_report = report
         cache._record_compression(time.perf_counter() - start, prefill=step.fresh)
+
+    def _may_exceed_budget(self) -> bool:
+        """False when no head can hold more than budget + g slots: every head holds at most n
+        slots and every row's budget is at least that of the row with the fewest real tokens."""
+        cfg = self.cache.config
+        if cfg.max_slots is not None:
+            limit = cfg.max_slots
+        else:
+            fewest = self.num_tokens - self.cache._max_left_pad
+            limit = int(fewest * cfg.keep_ratio + 1e-9)
+        return self.n > limit + cfg.recompress_every
 
     # ------------------------------------------------------------------ undo for a failed forward
     def _save_undo(self, forward_index: int) -> None:

@@ -6,9 +6,11 @@ One pass; clusters never cross chunks.
 
 How it is computed: a slot j is absorbed by the first seed i < j with cos(i, j) > tau, and it is a
 seed itself when no earlier seed absorbs it. So the walk only has to find the seed set; the member
--> seed map then follows without any loop. The seed walk runs over the position inside a chunk (at
-most the bucket length, never over tokens) with two tensor ops per step on the thresholded
-similarity rows, which are materialised in blocks for all chunks, heads and thresholds at once.
+-> seed map then follows without a loop. The walk runs over the position inside a chunk (at most
+the bucket length, never over tokens), for all chunks, heads and thresholds at once, and keeps
+each chunk's unassigned members as a bitset: a step is four ops on [S, C] words. The bitsets of
+"members a seed would absorb" come from each similarity row sorted once per call: the members
+above a threshold are a prefix of the sorted row, read from a table of prefix unions.
 
 Budget: with ``tau=None`` a per-head threshold is searched so that each head ends with at most
 its target slots; the highest feasible tau found (fewest merges) wins. The search evaluates
@@ -118,11 +120,14 @@ class BucketSimilarity:
         if self.dense is not None and L * S * (L + 1) * W * 8 <= TABLE_LIMIT:
             if self._table is None:
                 self._table = self._prefix_table()
-            neg_sorted, table = self._table
-            # members above tau: the first `above` of the row sorted by decreasing cosine
-            above = torch.searchsorted(neg_sorted, tau.neg()[None].expand(L, S, C).contiguous())  # [L, S, C]
-            above += torch.arange(L * S, device=above.device).view(L, S, 1) * (L + 1)  # row offsets
-            words = table.view(-1, W).index_select(0, above.view(-1))
+            neg_sorted, table = self._table  # [G, S, L], [K, G, S, L + 1, W]
+            K, G = table.shape[:2]
+            # members above tau: the first `above` of the sorted row
+            above = torch.searchsorted(neg_sorted, tau.neg()[None].expand(G, S, C).contiguous())  # [G, S, C]
+            rows = torch.arange(K * G * S, device=above.device).view(K, G, S, 1) * (L + 1)
+            words = table.view(-1, W).index_select(0, (rows + above).view(-1)).view(K, G, S, C, W)
+            if K == 2:  # paired rows: row i < L/2 is (0, i), row L-1-i is (1, i)
+                words = torch.cat([words[0], words[1].flip(0)])
             return [(0, words.view(L, S, C, W))]
         step = self.block(C * S * L)
         thr = tau[None, :, :, None]  # [1, S, C, 1]
@@ -130,20 +135,36 @@ class BucketSimilarity:
                 for i0 in range(0, L - 1, step)]
 
     def _prefix_table(self) -> tuple[Tensor, Tensor]:
-        """Each row's negated cosines sorted ascending [L, S, L] (cosines by decreasing value) and
-        ~(union of the first k members in that order) [L, S, L + 1, W] for k = 0..L."""
+        """Sorted rows [G, S, L] (negated cosines, ascending: cosines by decreasing value) and
+        ~(union of the first k members in that order) [K, G, S, L + 1, W] for k = 0..L.
+
+        Seed row i only holds the L - 1 - i members after it, so rows i and L - 1 - i fit in one
+        row of L entries together (K = 2, G = L / 2, one sort of half the size); each keeps its
+        own union table, where the other row's entries add nothing. Bitsets of several words
+        (L > 64) and odd L are not paired (K = 1, G = L)."""
         width, dtype, W = self.words
         L, S, _ = self.dense.shape
-        neg_sorted, order = torch.sort(self.dense.neg())
-        if W == 1:
-            bits = _bit_weights(width, dtype, order.device)[order]  # [L, S, L]
-            prefix = bits.cumsum(2, dtype=dtype)[..., None]  # disjoint bits: the sum is the union
-        else:
+        weights = _bit_weights(width, dtype, self.dense.device)
+        if W > 1 or L % 2:
+            neg_sorted, order = torch.sort(self.dense.neg())
             bits = torch.zeros(L, S, L, W, dtype=dtype, device=order.device)
-            weights = _bit_weights(width, dtype, order.device)[order % width]
-            bits.scatter_(3, torch.div(order, width, rounding_mode="floor")[..., None], weights[..., None])
-            prefix = bits.cumsum(2, dtype=dtype)
-        table = torch.cat([prefix.new_zeros(L, S, 1, W), prefix], 2)
+            bits.scatter_(3, torch.div(order, width, rounding_mode="floor")[..., None],
+                          weights[order % width][..., None])
+            prefix = bits.cumsum(2, dtype=dtype)[None]  # [1, L, S, L, W]; disjoint bits: sum = union
+        else:
+            P = L // 2
+            # row i's members k > i, and row L-1-i's members j > L-1-i stored at k = L-1-j < i;
+            # every other entry is _EXCLUDED in both, so the larger value is the right one
+            paired = torch.maximum(self.dense[:P], self.dense[P:].flip(0).flip(-1))  # [P, S, L]
+            neg_sorted, order = torch.sort(paired.neg())
+            k = torch.arange(L, device=order.device)
+            i = k[:P, None]
+            own = torch.stack([torch.where(k > i, weights[:L], 0),  # [2, P, L]: entry k's bit per row
+                               torch.where(k < i, weights[:L].flip(0), 0)])
+            bits = own[:, :, None, :].expand(2, P, S, L).gather(3, order[None].expand(2, P, S, L))
+            prefix = bits.cumsum(3, dtype=dtype)[..., None]  # [2, P, S, L, 1]
+        K, G = prefix.shape[:2]
+        table = torch.cat([prefix.new_zeros(K, G, S, 1, W), prefix], 3)
         return neg_sorted, table.bitwise_not_()
 
 

@@ -34,7 +34,7 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
     returns    a state with M = max representatives per head slots; heads with fewer are padded
                with slots of log-size -inf, zero keys/values and position -1.
 
-    The mean is computed as rep + sum(w * (member - rep)) / sum(w): a singleton or a cluster of
+    The mean is computed as rep + sum(w / sum(w) * (member - rep)): a singleton or a cluster of
     identical members comes out bit-for-bit equal to its representative. Work is done on flat
     rows (index_add / index_select of whole [D] rows), only for the slots that actually merge.
     """
@@ -69,15 +69,18 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
         w_mem = torch.ones(mem_src.numel(), device=device)
     sum_w = torch.zeros(B * H * M, device=device).index_copy_(0, rep_out, w_rep).index_add_(0, mem_out, w_mem)
 
+    # each member moves its representative by w / sum(w) of their difference
+    member_share = (w_mem / sum_w.index_select(0, mem_out))[:, None]  # [Q, 1]
+
     def mean_of(x: Tensor) -> Tensor:
         flat = _flat_rows(x)
         out = flat.new_zeros(B * H * M, flat.shape[1]).index_copy_(0, rep_out, flat.index_select(0, rep_src))
         if mem_src.numel() == 0:
             return out.view(B, H, M, *x.shape[3:])
-        delta = (flat.index_select(0, mem_src).float() - flat.index_select(0, mem_rep).float()) * w_mem[:, None]
-        shift = torch.zeros(B * H * M, flat.shape[1], device=device).index_add_(0, mem_out, delta)
-        shift /= sum_w.clamp(min=1e-30)[:, None]
-        return (out.float() + shift).to(x.dtype).view(B, H, M, *x.shape[3:])
+        acc = out.to(torch.promote_types(x.dtype, torch.float32))  # the same tensor for float32
+        delta = flat.index_select(0, mem_src).to(acc.dtype) - acc.index_select(0, mem_out)
+        acc.index_add_(0, mem_out, delta.mul_(member_share))
+        return acc.to(x.dtype).view(B, H, M, *x.shape[3:])
 
     new_keys = mean_of(keys)
     new_values = mean_of(values)
