@@ -6,7 +6,9 @@ one layer, batch 1, N = 2k / 8k / 32k slots, random keys and log-sizes. Also sim
 torch.compile built. Writes JSON with the machine described; numbers on a shared machine are
 noisy: the load average before and after is recorded, and ``min_ms`` is the least disturbed.
 
-    python benchmarks/bench_attention_cpu.py [--quick] [--threads T] [--out PATH]
+    python benchmarks/bench_attention_cpu.py [--quick] [--threads T] [--dtype D] [--out PATH]
+
+The generation simulation always runs in float32; --dtype applies to the decode cases.
 """
 
 from __future__ import annotations

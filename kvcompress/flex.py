@@ -259,8 +259,8 @@ def _check_flex_head_dims(query: Tensor, values: Tensor) -> None:
 
 
 def _mark_dynamic(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> None:
-    # Marking up front lets the first graph cover every later N (and L > 1) instead of
-    # compiling a static graph first and a dynamic one on the second length.
+    # The kernels compile with dynamic=False, so these marks are the only symbolic dims: the
+    # first graph already covers every later N (and every L > 1).
     if torch.compiler.is_compiling():
         return
     if query.shape[2] > 1:

@@ -89,7 +89,17 @@ def test_merged_cache_equals_expanded_cache(L):
     close(merged, expanded_ref, 1e-5)
 
 
-def test_decode_sweep_does_not_recompile_per_step():
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine OpenMP barriers made each small flex call
+    20-50x slower with two threads; on an idle machine it changes little."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_decode_sweep_does_not_recompile_per_step(one_thread):
     """Simulates 1,000 decode steps (N = 1001 .. 2000, L = 1): a handful of graphs at most.
 
     The cache grows by concatenation, as transformers' DynamicLayer does.

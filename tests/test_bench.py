@@ -1,0 +1,223 @@
+"""The efficiency benchmark's machinery on a tiny random Llama (seconds; no timing asserts):
+byte accounting against hand-computed sizes, floors against hand-made runs, cache clones,
+peak-RSS measurement, the command line and the plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvcompress.bench import BenchSettings, run_bench  # noqa: E402
+from kvcompress.bench import caches as C  # noqa: E402
+from kvcompress.bench.floors import evaluate  # noqa: E402
+from kvcompress.bench.memory import PeakRSS  # noqa: E402
+from kvcompress.bench.sources import TINY_VOCAB, TokenSource, load, tiny_llama, weight_bytes_per_token  # noqa: E402
+from kvcompress.bench.timing import summarize  # noqa: E402
+from kvcompress.hf.generate import cache_kwarg  # noqa: E402
+
+TINY = dict(models=("tiny",), lengths=(64,), budgets=(0.5,), presets=("streamingllm",), backends=("sdpa",),
+            decode_tokens=2, warmup=1, attention_reps=1, profile=False, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "eff.json"
+    results = run_bench(BenchSettings(**TINY), out=out, log=lambda line: None)
+    return results, out
+
+
+def test_results_file_holds_every_run_and_the_machine(tiny_results):
+    results, out = tiny_results
+    on_disk = json.loads(out.read_text())
+    assert on_disk["complete"] is True
+    assert [(r["method"], r["backend"]) for r in on_disk["runs"]] == [
+        ("full-stock", "stock-sdpa"), ("full", "sdpa"), ("streamingllm", "sdpa")]
+    for r in on_disk["runs"]:
+        assert len(r["tpot"]["steps_ms"]) == 2 and r["tpot"]["median_ms"] > 0
+        assert r["attention"]["reps"] == 1
+    machine = on_disk["machine"]
+    assert machine["cores"] >= 1 and machine["torch"] == torch.__version__ and "load_average" in machine
+    assert [f["name"] for f in on_disk["floors"]] == [
+        "kv_bytes", "attention_32k", "tpot_smollm2_8k", "compression_overhead_8k"]
+
+
+def test_kv_bytes_match_hand_computed_sizes(tiny_results):
+    results, _ = tiny_results
+    geo = results["models"]["tiny"]["geometry"]
+    L, H, D, T = geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], 64
+    full_bytes = L * 2 * H * T * D * 4  # float32 keys + values
+    runs = {r["method"]: r for r in results["runs"]}
+    assert runs["full-stock"]["kv_bytes_full"] == full_bytes == runs["full-stock"]["kv_bytes_held"]
+    assert runs["full"]["kv_bytes_full"] == full_bytes
+    assert runs["full"]["kv_bytes_held"] == full_bytes + L * H * T * 4  # + float32 log-sizes
+    comp = runs["streamingllm"]
+    slots = comp["slots"]["tensor_slots_max"]
+    assert slots == T // 2  # budget 0.5 of 64 tokens, every head alike
+    assert comp["kv_bytes_held"] == L * H * slots * (2 * D * 4 + 4)
+    assert comp["kv_bytes_allocated"] >= comp["kv_bytes_held"]
+    assert comp["kv_bytes_held_end"] > comp["kv_bytes_held"]  # the decode steps appended slots
+
+
+def test_floors_not_measured_without_their_cells(tiny_results):
+    results, _ = tiny_results
+    floors = {f["name"]: f for f in results["floors"]}
+    assert floors["kv_bytes"]["pass"] is True
+    for name in ("attention_32k", "tpot_smollm2_8k", "compression_overhead_8k"):
+        assert floors[name]["pass"] is None
+
+
+def _run(model, length, method, budget, backend, *, tpot, held, full, att=None, compress_s=0.0):
+    return {"model": model, "length": length, "method": method, "budget": budget, "backend": backend,
+            "tpot": {"median_ms": tpot}, "kv_bytes_held": held, "kv_bytes_full": full, "kv_bytes_allocated": held,
+            "attention": {} if att is None else {"min_ms": att}, "compress_s": compress_s, "budget_met": True}
+
+
+def test_floors_against_hand_made_runs():
+    W, full = 600, 400
+    runs = [
+        _run("smollm2", 8192, "full-stock", None, "stock-sdpa", tpot=12.0, held=full, full=full),
+        _run("smollm2", 8192, "full", None, "sdpa", tpot=10.0, held=full, full=full),
+        # bound (600 + 400) / (600 + 100) = 1.4286; 10 / 7.5 = 1.333 >= 0.9 * 1.4286 = 1.2857
+        _run("smollm2", 8192, "a", 0.25, "sdpa", tpot=7.5, held=100, full=full, compress_s=1.0),
+        _run("smollm2", 8192, "a", 0.25, "flex", tpot=8.0, held=100, full=full, compress_s=1.0),
+        # bound 1000 / 720 = 1.389; 10 / 8.5 = 1.176 < 0.9 * 1.389 = 1.25; held 120 > 1.05 * 100
+        _run("smollm2", 8192, "b", 0.25, "sdpa", tpot=8.5, held=120, full=full, compress_s=3.0),
+        _run("llama3-synthetic", 32768, "full-stock", None, "stock-sdpa", tpot=1, held=8, full=8, att=9.0),
+        _run("llama3-synthetic", 32768, "full", None, "sdpa", tpot=1, held=8, full=8, att=12.0),
+        _run("llama3-synthetic", 32768, "a", 0.25, "sdpa", tpot=1, held=2, full=8, att=2.9),
+        _run("llama3-synthetic", 32768, "b", 0.25, "sdpa", tpot=1, held=2, full=8, att=3.1),
+    ]
+    contexts = [{"model": "smollm2", "length": 8192, "prefill_s": 40.0}]
+    floors = {f["name"]: f for f in evaluate(runs, contexts, {"smollm2": W})}
+    tpot = {i["preset"]: i for i in floors["tpot_smollm2_8k"]["items"]}
+    assert math.isclose(tpot["a"]["bound"], 1000 / 700, rel_tol=1e-3)
+    assert math.isclose(tpot["a"]["speedup"], 10 / 7.5, rel_tol=1e-3)  # best full vs best backend
+    assert tpot["a"]["pass"] is True and tpot["b"]["pass"] is False
+    assert floors["tpot_smollm2_8k"]["pass"] is False
+    att = {i["preset"]: i for i in floors["attention_32k"]["items"]}
+    assert math.isclose(att["a"]["speedup"], 9.0 / 2.9, rel_tol=1e-3) and att["a"]["pass"] is True
+    assert att["b"]["pass"] is False  # 9 / 3.1 < 3
+    comp = {i["preset"]: i for i in floors["compression_overhead_8k"]["items"]}
+    assert comp["a"]["pass"] is True and comp["b"]["pass"] is False  # 1/40 < 5% <= 3/40
+    kv = {(i["model"], i["preset"]): i for i in floors["kv_bytes"]["items"]}
+    assert kv[("smollm2", "a")]["pass"] is True and kv[("smollm2", "b")]["pass"] is False
+    assert len(floors["kv_bytes"]["items"]) == 4  # one per compressed state, not per backend
+
+
+def test_clone_is_independent_and_decodes_identically():
+    loaded = load("tiny")
+    model = loaded.model
+    ids = TokenSource(None, TINY_VOCAB).ids(49)
+    snap = C.random_snapshot(model, ids[:, :48], TINY_VOCAB, seed=1)
+    built = C.compressed_cache(model, snap, _preset("streamingllm", 0.5), "sdpa")
+    twin = C.clone_cache(built.cache, model)
+    key = cache_kwarg(model)
+    try:
+        with torch.inference_mode():
+            a = model(input_ids=ids[:, 48:], **{key: built.cache}).logits
+            assert twin.num_tokens == 48 and built.cache.num_tokens == 49
+            b = model(input_ids=ids[:, 48:], **{key: twin}).logits
+        torch.testing.assert_close(a, b)
+        assert twin.layers[0]._k.data_ptr() != built.cache.layers[0]._k.data_ptr()
+    finally:
+        built.cache.close()
+        twin.close()
+
+
+def _preset(name, budget):
+    from kvcompress.presets import get_preset
+
+    return get_preset(name, keep_ratio=budget)
+
+
+def test_stock_and_uncompressed_caches_give_the_same_logits():
+    model = load("tiny").model
+    ids = TokenSource(None, TINY_VOCAB).ids(33)
+    snap = C.random_snapshot(model, ids[:, :32], TINY_VOCAB)
+    stock = C.stock_cache(model, snap)
+    plain = C.uncompressed_cache(model, snap, "sdpa")
+    key = cache_kwarg(model)
+    with torch.inference_mode():
+        a = model(input_ids=ids[:, 32:], **{key: stock}).logits
+        b = model(input_ids=ids[:, 32:], **{key: plain}).logits
+    plain.close()
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert C.kv_bytes(stock)["held"] == sum(2 * s.keys.numel() * 4 for s in snap.states) + 2 * 2 * 2 * 32 * 4
+
+
+def test_weight_bytes_count_a_tied_head_once_and_skip_an_untied_embedding():
+    tied = tiny_llama(len(TINY_VOCAB))
+    total = sum(p.numel() * 4 for p in tied.parameters())  # parameters() yields a tied matrix once
+    assert weight_bytes_per_token(tied) == total
+    untied = tiny_llama(len(TINY_VOCAB))
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    emb = untied.get_input_embeddings().weight.numel() * 4
+    assert weight_bytes_per_token(untied) == sum(p.numel() * 4 for p in untied.parameters()) - emb
+
+
+def test_peak_rss_sees_a_torch_allocation():
+    with PeakRSS() as mem:
+        x = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
+        del x
+    if mem.method.startswith("ru_maxrss"):
+        pytest.skip("no resettable RSS high-water mark on this OS")
+    assert mem.delta >= 60 * 1024 * 1024
+    with PeakRSS() as small:
+        torch.ones(16)
+    assert small.delta < 16 * 1024 * 1024
+
+
+def test_token_source_without_tokenizer_has_delimiters_and_is_deterministic():
+    src = TokenSource(None, TINY_VOCAB, seed=3)
+    ids = src.ids(600)
+    assert ids.shape == (1, 600) and int(ids.max()) < len(TINY_VOCAB)
+    delimiters = (ids >= len(TINY_VOCAB) - 8).float().mean()
+    assert 0.03 < float(delimiters) < 0.2
+    assert torch.equal(ids, TokenSource(None, TINY_VOCAB, seed=3).ids(600))
+
+
+def test_summarize():
+    s = summarize([0.003, 0.001, 0.002])
+    assert s["median_ms"] == 2.0 and s["min_ms"] == 1.0 and s["max_ms"] == 3.0 and s["mean_ms"] == 2.0
+    assert summarize([])["median_ms"] is None
+
+
+def test_cli_parses_lengths_quick_mode_and_registers_the_command():
+    from kvcompress import cli, cli_bench
+
+    assert cli_bench._ints("2k, 512,8K") == (2048, 512, 8192)
+    with pytest.raises(ValueError, match="length"):
+        cli_bench._ints("2x")
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    cli_bench.add_parser(sub)
+    args = parser.parse_args(["bench", "--quick", "--models", "tiny", "--budgets", "0.5,0.2"])
+    assert args.func is cli_bench.run
+    s = cli_bench.settings_from_args(args)
+    assert s.lengths == (512,) and s.budgets == (0.5, 0.2) and s.decode_tokens == 3 and not s.profile
+    assert s.presets == ("semanticache",)
+    assert "bench" in cli.command_modules()
+
+
+@pytest.mark.parametrize("field,value", [("budgets", (1.5,)), ("backends", ("cuda",)), ("presets", ("nope",)),
+                                         ("models", ("gpt5",)), ("decode_tokens", 0)])
+def test_bad_settings_name_the_parameter(field, value):
+    with pytest.raises(ValueError, match=field.rstrip("s")):
+        BenchSettings(**{**TINY, field: value})
+
+
+def test_plots_are_written(tiny_results, tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvcompress.bench.plots import plot_results
+
+    results, _ = tiny_results
+    paths = plot_results(results, tmp_path, prefix="eff")
+    assert sorted(p.name for p in paths) == ["eff_memory_tiny.png", "eff_tpot_tiny.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
