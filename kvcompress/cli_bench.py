@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--plots-dir", type=Path, default=None, help="where PNGs go (default: the JSON's directory)")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.add_argument("--markdown", type=Path, default=None, help="also write markdown tables of the results here")
+    r.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: merge these results files (e.g. one per model) into --out, "
+                        "re-evaluate the floors and redraw the plots")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -150,17 +154,35 @@ def run(args) -> int:
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import json
+
     from .bench import run_bench
 
-    settings = settings_from_args(args)
     command = "kvcompress bench " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", sys.argv[1:]))
-    results = run_bench(settings, out=args.out, command=command.strip())
+    if args.merge:
+        from .bench.runner import merge_results
+
+        for path in args.merge:
+            if not path.is_file():
+                raise ValueError(f"merge={str(path)!r} is invalid: expected an existing results JSON file")
+        results = merge_results([json.loads(p.read_text()) for p in args.merge])
+        results["merged_by"] = command.strip()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    else:
+        results = run_bench(settings_from_args(args), out=args.out, command=command.strip())
     if not args.no_plots:
         from .bench.plots import plot_results
 
         prefix = args.out.stem
         for path in plot_results(results, args.plots_dir or args.out.parent, prefix=prefix):
             print(f"wrote {path}", file=sys.stderr)
+    if args.markdown is not None:
+        from .bench.report import markdown
+
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(results))
+        print(f"wrote {args.markdown}", file=sys.stderr)
     print("\n".join(summary_lines(results)))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -29,8 +29,9 @@ DEFAULT_TOPICS = (
     "return", "raise", "break", "continue", "global", "nonlocal", "del", "pass", "yield", "assert",
     "booleans", "comparisons", "numbers", "strings", "lists", "dict",
 )
-NEEDLE = "The secret code word of this manual, which every reader must remember, is \"pineapple\"."
-NEEDLE_QUESTION = "What is the secret code word of this manual? Answer with the word only."
+# A short fact SmolLM2-135M recalls with its full cache (and, in our runs, from a SemantiCache cache at keep 0.5)
+NEEDLE = 'The secret code word is "apple".'
+NEEDLE_QUESTION = "What is the secret code word? Answer with the word only."
 DEFAULT_QUESTION = "Summarize the text above in one sentence."
 
 

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+COMMAND = "eval"
+HELP = "evaluate methods on a real model: niah, ruler, fidelity (resumable; JSON + PNG results)"
 DEFAULT_PRESETS = "full,semanticache,semanticache-fixed64,centroidkv,streamingllm,snapkv"
 DEFAULT_BUDGETS = "0.9,0.75,0.5,0.25"
 DESCRIPTION = ("Evaluate compression methods on a real model: needle in a haystack (niah), RULER-style tasks "
@@ -106,10 +108,14 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``eval`` options (sub-commands niah, ruler, fidelity, report) on ``parser``."""
+    return _configure(parser)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``eval`` sub-command on an argparse sub-parsers object."""
-    parser = subparsers.add_parser("eval", help="evaluate methods: niah, ruler, fidelity", description=DESCRIPTION)
-    return _configure(parser)
+    return _configure(subparsers.add_parser(COMMAND, help=HELP, description=DESCRIPTION))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,11 +207,17 @@ def run(args: argparse.Namespace) -> int:
         grid_info = {"samples": args.samples}
     meta = {**signature, **grid_info, "budgets": list(budgets), "protocols": list(grid.protocols),
             "methods": describe_methods(methods), "ablation": args.ablation, "backend": args.backend,
-            "device": args.device, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "device": args.device, "command": _command_line(),
             "model_load_s": round(load_s, 2), "run_s": round(time.perf_counter() - start, 2)}
     summary = finish(out, task, meta, records, plots=not args.no_plots)
     print(summary)
     return 0
+
+
+def _command_line() -> str:
+    prog = {"cli_eval.py": "python -m kvcompress.cli_eval", "cli.py": "python -m kvcompress.cli"}.get(
+        Path(sys.argv[0]).name, Path(sys.argv[0]).name)
+    return " ".join([prog] + sys.argv[1:])
 
 
 def _haystack_name(source) -> str:
@@ -233,6 +245,7 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
 
         if task == "niah":
             written += P.heatmaps(records, out / "heatmap_{protocol}.png")
+            written.append(P.summary_heatmap(rows, out / "summary.png", title="NIAH"))
             written.append(P.metric_vs_budget(rows, out / "accuracy_vs_budget.png", "accuracy", title="NIAH"))
             if any(r.get("leading_digits") is not None for r in rows):
                 written.append(P.metric_vs_budget(rows, out / "leading_digits_vs_budget.png", "leading_digits",
@@ -244,6 +257,7 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
                                                   out / f"accuracy_vs_budget_{protocol}.png", "accuracy", panel="task",
                                                   title=f"RULER ({protocol})"))
             written.append(P.metric_vs_budget(rows, out / "accuracy_vs_budget.png", "accuracy", title="RULER mean"))
+            written.append(P.summary_heatmap(rows, out / "summary.png", title="RULER mean"))
         else:
             written.append(P.metric_vs_budget(rows, out / "kl_vs_budget.png", "kl", panel=None,
                                               ylabel="mean KL(full || compressed)", title="fidelity", ylim=None))

@@ -23,6 +23,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = {"recent": 8}  # so that the presets can compress a ~150-token prompt
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny tensors: one thread avoids oversubscription on a shared 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()
@@ -174,13 +183,14 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
     assert len(more) == len(samples) * 2 * (1 + 2 * 3)
     assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == len(more)
 
-    summary = finish(tmp_path, "niah", {"task": "niah"}, more)
+    agnostic = [r for r in more if r["protocol"] == "agnostic"]  # fewer panels: faster plots
+    summary = finish(tmp_path, "niah", {"task": "niah"}, agnostic)
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data) >= {"meta", "machine", "aggregate", "samples", "by_length", "by_cell"}
-    row = next(r for r in data["aggregate"] if r["method"] == "full" and r["protocol"] == "agnostic")
+    assert len(data["samples"]) == len(agnostic)
+    row = next(r for r in data["aggregate"] if r["method"] == "full")
     assert row["n"] == len(samples) and row["budget"] == 1.0
-    for name in ("heatmap_agnostic.png", "heatmap_aware.png", "accuracy_vs_budget.png",
-                 "leading_digits_vs_budget.png"):
+    for name in ("heatmap_agnostic.png", "accuracy_vs_budget.png", "leading_digits_vs_budget.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
     assert "| method |" in summary
 
@@ -230,12 +240,12 @@ def test_cli_niah_end_to_end_and_report(model, tok, tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = ["niah", "--haystack", str(hay), "--lengths", "100", "--depths", "0.5", "--presets", "full,streamingllm",
             "--method", "centroidkv:recent=8", "--override", "sinks=2", "--budgets", "0.5", "--protocols",
-            "agnostic,aware", "--max-new-tokens", "2", "--backend", "sdpa", "--no-progress", "--out", str(out)]
+            "agnostic,aware", "--max-new-tokens", "2", "--no-progress", "--no-plots", "--out", str(out)]
     assert cli_eval.main(argv) == 0
     data = json.loads((out / "results.json").read_text())
     assert {r["method"] for r in data["aggregate"]} == {"full", "streamingllm:sinks=2", "centroidkv:recent=8,sinks=2"}
     assert len(data["samples"]) == 2 * 3
-    assert (out / "heatmap_aware.png").exists()
+    assert not list(out.glob("*.png"))
     assert cli_eval.main(argv) == 0  # resumed: nothing to do
     assert len((out / "cells.jsonl").read_text().splitlines()) == 6
     # another needle kind in the same directory is refused

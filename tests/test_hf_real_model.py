@@ -70,7 +70,7 @@ def test_merge_nothing_gives_exactly_the_full_cache_answer(smollm2):
 
     model, tokenizer = smollm2
     ids = _needle_prompt(tokenizer)
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
               pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
         full = model.generate(input_ids=ids, **kw)  # stock DynamicCache

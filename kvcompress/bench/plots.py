@@ -17,7 +17,8 @@ def _series(runs, model, budget, method, backend, value):
 
 
 def _panels(plt, budgets, title):
-    fig, axes = plt.subplots(1, len(budgets), figsize=(4.8 * len(budgets), 4.0), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(budgets), figsize=(max(5.5, 4.8 * len(budgets)), 4.4), squeeze=False,
+                             sharey=True)
     fig.suptitle(title)
     return fig, axes[0]
 
@@ -67,8 +68,8 @@ def plot_results(results: dict, out_dir: Path, prefix: str = "efficiency") -> li
         plt.close(fig)
         written.append(path)
         # ---- memory
-        fig, axes = _panels(plt, budgets, f"{model}: KV-cache bytes (solid: held, dashed: allocated) and "
-                                         "decode-step peak RSS (dotted)")
+        fig, axes = _panels(plt, budgets, f"{model}: KV-cache bytes (solid: held, dashed: allocated)\n"
+                                         "and decode-step peak RSS over the step's start (dotted)")
         first = backends[0] if backends else None
         for ax, budget in zip(axes, budgets):
             xs, ys = _series(runs, model, None, "full", first, lambda r: r["kv_bytes_full"] / MIB)

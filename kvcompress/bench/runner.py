@@ -362,3 +362,25 @@ class Benchmark:
 def run_bench(settings: BenchSettings, out: Path | None = None, log=None, command: str | None = None) -> dict:
     """Run the benchmark; returns the results document (also written to ``out``)."""
     return Benchmark(settings, out, log, command).run()
+
+
+def merge_results(documents: list[dict]) -> dict:
+    """One results document from several runs (e.g. one per model): runs, contexts, models and
+    profiles concatenated, floors re-evaluated (each floor still compares cells of one run),
+    every run's command, settings, machine and load averages kept under ``parts``."""
+    require(len(documents) > 0, "documents", documents, "at least one results document")
+    merged = {k: v for k, v in documents[0].items() if k not in ("runs", "contexts", "models", "profiles")}
+    merged.update(runs=[], contexts=[], models={}, profiles={}, parts=[])
+    for doc in documents:
+        merged["runs"].extend(doc.get("runs", []))
+        merged["contexts"].extend(doc.get("contexts", []))
+        merged["models"].update(doc.get("models", {}))
+        merged["profiles"].update(doc.get("profiles", {}))
+        merged["parts"].append({k: doc.get(k) for k in ("command", "settings", "machine", "elapsed_s",
+                                                         "load_average_end", "complete")})
+    weights = {m: info["weights_bytes_per_token"] for m, info in merged["models"].items()}
+    merged["floors"] = evaluate(merged["runs"], merged["contexts"], weights)
+    merged["complete"] = all(doc.get("complete") for doc in documents)
+    merged["command"] = [doc.get("command") for doc in documents]
+    merged["elapsed_s"] = sum(doc.get("elapsed_s") or 0 for doc in documents)
+    return merged

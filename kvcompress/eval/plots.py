@@ -29,48 +29,88 @@ def _mean(xs):
 
 
 def heatmaps(records: list[dict], path_pattern: str | Path, value: str = "score") -> list[Path]:
-    """One PNG per protocol (``path_pattern`` with "{protocol}"); returns the paths written."""
+    """One PNG per protocol (``path_pattern`` with "{protocol}"): a row of panels per method, a
+    column per budget (a method run at one budget only, like "full", sits in the first column).
+    Each panel is depth (rows) x context length (columns). Returns the paths written."""
     plt = _plt()
     written = []
     by_protocol = defaultdict(list)
     for r in records:
         by_protocol[r["protocol"]].append(r)
     for protocol, rs in sorted(by_protocol.items()):
-        panels = list(dict.fromkeys((r["method"], r["budget"]) for r in rs))
+        methods = list(dict.fromkeys(r["method"] for r in rs))
+        budgets_of = {m: sorted({r["budget"] for r in rs if r["method"] == m}, reverse=True) for m in methods}
+        columns = sorted({b for m in methods if len(budgets_of[m]) > 1 for b in budgets_of[m]}, reverse=True) or [None]
         lengths = sorted({r["length"] for r in rs})
         depths = sorted({r["depth"] for r in rs})
-        cols = min(4, len(panels))
-        rows = math.ceil(len(panels) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(2.2 + 1.1 * len(lengths) * cols, 0.9 + (0.45 * len(depths) + 0.9) * rows),
-                                 squeeze=False)
-        im = None
-        for ax, (method, budget) in zip(axes.flat, panels):
-            cell = defaultdict(list)
-            for r in rs:
-                if r["method"] == method and r["budget"] == budget:
-                    cell[(r["depth"], r["length"])].append(r.get(value))
-            grid = [[_mean(cell.get((d, n), [])) for n in lengths] for d in depths]
-            im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
-            for i, row in enumerate(grid):
-                for j, v in enumerate(row):
-                    if not math.isnan(v):
-                        ax.text(j, i, f"{v:.2f}".rstrip("0").rstrip(".") if v not in (0, 1) else f"{v:g}",
-                                ha="center", va="center", fontsize=7)
-            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-            ax.set_title(f"{method}\nkeep {budget:g}", fontsize=8)
-            ax.set_xlabel("context tokens", fontsize=7)
-            ax.set_ylabel("needle depth", fontsize=7)
-        for ax in list(axes.flat)[len(panels):]:
+        cols, rows = len(columns), len(methods)
+        pw, ph = max(2.6, 0.9 * len(lengths) + 1.4), max(2.3, 0.42 * len(depths) + 1.3)
+        fig, axes = plt.subplots(rows, cols, figsize=(pw * cols + 1.0, ph * rows + 0.6), squeeze=False,
+                                 layout="constrained")
+        for ax in axes.flat:
             ax.axis("off")
+        im = None
+        for i, method in enumerate(methods):
+            for budget in budgets_of[method]:
+                j = 0 if len(budgets_of[method]) == 1 else columns.index(budget)
+                ax = axes[i, j]
+                ax.axis("on")
+                cell = defaultdict(list)
+                for r in rs:
+                    if r["method"] == method and r["budget"] == budget:
+                        cell[(r["depth"], r["length"])].append(r.get(value))
+                grid = [[_mean(cell.get((d, n), [])) for n in lengths] for d in depths]
+                im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+                for y, row in enumerate(grid):
+                    for x, v in enumerate(row):
+                        if not math.isnan(v):
+                            ax.text(x, y, f"{v:.2g}", ha="center", va="center", fontsize=7)
+                ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+                ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+                met = all(r.get("budget_met", True) for r in rs if r["method"] == method and r["budget"] == budget)
+                ax.set_title(f"{method}\nkeep {budget:g}{'' if met else ' (not met)'}", fontsize=8)
+                ax.set_xlabel("context tokens", fontsize=7)
+                if j == 0:
+                    ax.set_ylabel("needle depth", fontsize=7)
         if im is not None:
             fig.colorbar(im, ax=axes, shrink=0.6, label=value)
         fig.suptitle(f"NIAH accuracy, {protocol} protocol", fontsize=10)
         path = Path(str(path_pattern).format(protocol=protocol))
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def summary_heatmap(rows: list[dict], path: str | Path, value: str = "accuracy", title: str = "") -> Path:
+    """Methods (rows) x budgets (columns) of aggregate ``value``, one panel per protocol;
+    cells say hits/n, and "*" marks a budget the method did not meet (best effort kept more)."""
+    plt = _plt()
+    protocols = list(dict.fromkeys(r["protocol"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    budgets = sorted({r["budget"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(protocols), figsize=(1.2 + 0.9 * len(budgets) * len(protocols) + 2.6 * len(protocols),
+                                                         1.2 + 0.32 * len(methods)), squeeze=False, layout="constrained")
+    im = None
+    for ax, protocol in zip(axes[0], protocols):
+        grid = [[float("nan")] * len(budgets) for _ in methods]
+        for r in rows:
+            if r["protocol"] != protocol or r.get(value) is None:
+                continue
+            i, j = methods.index(r["method"]), budgets.index(r["budget"])
+            grid[i][j] = r[value]
+            label = f"{r['hits']}/{r['n']}" if "hits" in r else f"{r[value]:.3g}"
+            ax.text(j, i, label + ("" if r.get("budget_met", True) else "*"), ha="center", va="center", fontsize=7)
+        im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets], fontsize=7)
+        ax.set_yticks(range(len(methods)), methods, fontsize=7)
+        ax.set_xlabel("budget (keep ratio)", fontsize=8)
+        ax.set_title(f"{title} {protocol}".strip(), fontsize=9)
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.8, label=value)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def metric_vs_budget(rows: list[dict], path: str | Path, value: str = "accuracy", panel: str = "protocol",

@@ -115,6 +115,11 @@ def aggregate(records: list[dict], by=("method", "budget", "protocol")) -> list[
         for extra in ("kl", "top1", "ppl_full", "ppl", "ppl_delta"):
             if any(extra in r for r in rs):
                 row[extra] = _mean([r.get(extra) for r in rs])
+        # where the needle's value went (means over layers and heads, then samples)
+        traced = [r["trace"]["value"] for r in rs if isinstance(r.get("trace"), dict) and "value" in r["trace"]]
+        if traced:
+            for k in ("kept", "alone", "mixed", "size"):
+                row[f"value_{k}"] = _mean([t.get(k) for t in traced])
         out.append(row)
     order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in records))}
     out.sort(key=lambda r: tuple(order.get(r[k], 0) if k == "method" else

@@ -388,6 +388,8 @@ class CompressedLayer(CacheLayerMixin):
             new_state, report = cache.decoder.compress(state, self.layer_idx)
         self._set_state(new_state)
         self.last_report = report
+        if self._k.device.type == "cuda":
+            torch.cuda.synchronize(self._k.device)  # kernels are asynchronous: time them whole
         cache._record_compression(time.perf_counter() - start, prefill=step.fresh)
 
     def _may_exceed_budget(self) -> bool:

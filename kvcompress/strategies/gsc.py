@@ -67,8 +67,8 @@ def _pack(bits: Tensor, width: int, dtype: torch.dtype) -> Tensor:
 
 def _unpack(words: Tensor, width: int, L: int) -> Tensor:
     """[..., W] bitsets -> [..., L] bool."""
-    shifts = torch.arange(width, dtype=words.dtype, device=words.device)
-    bits = (words[..., None] >> shifts) & 1  # [..., W, width]
+    shifts = torch.arange(min(width, L), dtype=words.dtype, device=words.device)
+    bits = (words[..., None] >> shifts) & 1  # [..., W, min(width, L)]
     return bits.reshape(*words.shape[:-1], -1)[..., :L].bool()
 
 
@@ -181,15 +181,16 @@ def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
     width, dtype, W = sims.words
     # [S, C, W]: segment-major like the similarity rows, so no step needs a transposed copy
     unassigned = _pack(sims.mask, width, dtype)[:, None].expand(S, C, W).clone()  # padding: assigned
-    # 0-d operands of the word dtype: Python ints would be converted on every step
+    words = [unassigned[:, :, w:w + 1] for w in range(W)]  # views: they follow the in-place updates
+    shifts = torch.arange(width, dtype=dtype, device=tau.device).unbind()  # 0-d: no per-step casts
     one = torch.ones((), dtype=dtype, device=tau.device)
-    shifts = torch.arange(width, dtype=dtype, device=tau.device)
     for i0, spared in sims.spared(tau.t()):
-        for r in range(min(spared.shape[0], L - 1 - i0)):  # the last member has nobody after it
+        rows = spared.unbind(0)
+        for r in range(min(len(rows), L - 1 - i0)):  # the last member has nobody after it
             w, bit = divmod(i0 + r, width)
-            # [S, C]: 0 where member i is (still) a seed, all ones where it is not
-            not_seed = torch.bitwise_right_shift(unassigned[:, :, w], shifts[bit]).bitwise_and_(one).sub_(one)
-            unassigned.bitwise_and_(torch.bitwise_or(spared[r], not_seed[..., None]))
+            # [S, C, 1]: 0 where member i is (still) a seed, all ones where it is not
+            not_seed = torch.bitwise_right_shift(words[w], shifts[bit]).bitwise_and_(one).sub_(one)
+            unassigned.bitwise_and_(torch.bitwise_or(rows[r], not_seed))
     return (_unpack(unassigned, width, L) & sims.mask[:, None]).transpose(0, 1)
 
 
@@ -320,11 +321,9 @@ class GreedySeedClustering:
         for _ in range(self.search_passes):
             cands = lo[None] + (hi - lo)[None] * frac  # [C, R], increasing
             counts = outside[None, :].expand(C, R).clone()
-            all_seeds = []
-            for bucket, s in zip(layout.buckets, sims):
-                seeds = bucket_seeds(s, cands[:, bucket.rows])  # [C, S, L]
+            all_seeds = [bucket_seeds(s, cands[:, b.rows]) for s, b in zip(sims, layout.buckets)]  # [C, S, L]
+            for bucket, seeds in zip(layout.buckets, all_seeds):
                 counts.index_add_(1, bucket.rows, seeds.sum(-1))
-                all_seeds.append(seeds)
             # highest feasible candidate per row (counts need not be monotone in tau), -1 if none
             idx = torch.where(counts <= target_rows[None], order, -1).max(0).values  # [R]
             better = idx >= 0
