@@ -18,10 +18,12 @@ What it measures (torch threads: --threads, default 1, for the model too):
        merge trivially. The model itself only runs 8k, so 32k keys are synthetic from real ones.
    The delimiter chunker gets the decoded text of every token id (tokenizer.convert_ids_to_tokens
    + convert_tokens_to_string, built once). One warm-up compression precedes each timed run.
-3. plain loop: GSC written as a plain Python loop (per head, per chunk, seed walk over
-   similarity rows) with a bisection search for tau (12 halvings: the same 2/4096 resolution as the
-   vectorised search), run on the first --loop-layers layers at 2k only and extrapolated to 30
-   layers; its cluster counts are checked against the vectorised plan at the same tau.
+3. plain loop: GSC written as a plain Python loop (per head, per chunk, seed walk) with a
+   bisection search for tau (12 halvings: the same 2/4096 resolution as the vectorised search),
+   at 2k only, extrapolated to 30 layers: (a) cosines of each chunk from one small matrix
+   product, on the first --loop-layers layers, its cluster counts checked against the vectorised
+   GSC at the same tau; (b) the literal loop, one Python dot product per compared pair, on one
+   layer of `semanticache`.
 
 The floor: compressing the 30 layers of the 8k cache should cost under 5% of the 8k prefill.
 Results: benchmarks/results/compression.json (machine, load average, every timing).
@@ -187,9 +189,28 @@ def loop_gsc_count(sims_rows: list[list[list[float]]], tau: float) -> tuple[int,
     return clusters, plans
 
 
-def loop_layer(state: kc.KVState, pipe: kc.Pipeline, passes: int = 12) -> tuple[list[int], list[float]]:
-    """Plain-loop GSC with a per-head bisection search for the highest tau meeting the budget
-    (cosines of a chunk computed as one small matrix, the walk and the search in Python)."""
+def loop_gsc_count_pairs(chunk_keys: list[list[list[float]]], tau: float) -> int:
+    """GSC as the most literal loop: each cosine computed when the walk needs it (unit keys)."""
+    clusters = 0
+    for keys in chunk_keys:
+        n = len(keys)
+        assigned = [False] * n
+        for i in range(n):
+            if assigned[i]:
+                continue
+            clusters += 1
+            seed = keys[i]
+            for j in range(i + 1, n):
+                if not assigned[j] and sum(a * b for a, b in zip(seed, keys[j])) > tau:
+                    assigned[j] = True
+    return clusters
+
+
+def loop_layer(state: kc.KVState, pipe: kc.Pipeline, passes: int = 12,
+               per_pair: bool = False) -> tuple[list[int], list[float]]:
+    """Plain-loop GSC with a per-head bisection search for the highest tau meeting the budget:
+    the walk and the search in Python; the cosines of a chunk as one small matrix product, or
+    (per_pair) one Python dot product per pair the walk compares."""
     protected = pipe.protection(state)
     chunk_ids = pipe.chunker(state, protected)
     target = pipe.target_slots(state)
@@ -204,7 +225,9 @@ def loop_layer(state: kc.KVState, pipe: kc.Pipeline, passes: int = 12) -> tuple[
         sims_rows = []
         for members in chunks.values():
             k = kn[0, h, members]
-            sims_rows.append((k @ k.T).clamp(-1, 1).tolist())
+            sims_rows.append(k.tolist() if per_pair else (k @ k.T).clamp(-1, 1).tolist())
+        count_at = (lambda t: loop_gsc_count_pairs(sims_rows, t)) if per_pair else (
+            lambda t: loop_gsc_count(sims_rows, t)[0])
         outside = int(state.valid[0, h].sum()) - sum(len(m) for m in chunks.values())
         budget = int(target[0, h])
         if outside + sum(len(m) for m in chunks.values()) <= budget:
@@ -215,7 +238,7 @@ def loop_layer(state: kc.KVState, pipe: kc.Pipeline, passes: int = 12) -> tuple[
         best = outside + len(chunks)
         for _ in range(passes):
             mid = (lo + hi) / 2
-            count = outside + loop_gsc_count(sims_rows, mid)[0]
+            count = outside + count_at(mid)
             if count <= budget:
                 lo, best = mid, count
             else:
@@ -239,13 +262,13 @@ def vectorised_counts(state: kc.KVState, pipe: kc.Pipeline, taus: list[float]) -
     return counts[0].tolist()
 
 
-def loop_baseline(preset: str, keep: float, keys, values, ids, vocab, layers: int, bar) -> dict:
+def loop_baseline(preset: str, keep: float, keys, values, ids, vocab, layers: int, bar, per_pair=False) -> dict:
     pipe = kc.Pipeline(preset, keep_ratio=keep)
     walls, cpus, agree = [], [], []
     for layer in range(layers):
         state = kc.KVState.from_raw(keys[layer], values[layer], token_ids=ids, vocab=vocab)
         with Clock() as c:
-            counts, taus = loop_layer(state, pipe)
+            counts, taus = loop_layer(state, pipe, per_pair=per_pair)
         walls.append(c.wall)
         cpus.append(c.cpu)
         agree.append(vectorised_counts(state, pipe, taus) == counts)
@@ -253,6 +276,7 @@ def loop_baseline(preset: str, keep: float, keys, values, ids, vocab, layers: in
     per_layer_wall, per_layer_cpu = sum(walls) / layers, sum(cpus) / layers
     return {
         "preset": preset, "keep_ratio": keep, "tokens": int(ids.shape[1]), "layers_run": layers,
+        "cosines": "one Python dot product per compared pair" if per_pair else "one matrix product per chunk",
         "search": "bisection, 12 halvings per head", "per_layer_wall_s": per_layer_wall,
         "per_layer_cpu_s": per_layer_cpu, "extrapolated_30_layers_wall_s": 30 * per_layer_wall,
         "extrapolated_30_layers_cpu_s": 30 * per_layer_cpu, "counts_match_vectorised_gsc": all(agree),
@@ -292,9 +316,11 @@ def main():
             caches[n] = (k[..., :n, :].contiguous(), v[..., :n, :].contiguous(), t[:, :n])
 
     jobs = [(n, p, keep) for n in args.sizes for p in args.presets for keep in args.keeps]
-    loop_jobs = [p for p in args.presets] if 2048 in caches and args.loop_layers else []
+    # (preset, per-pair cosines, layers): the literal per-pair loop is slow, so it runs one layer
+    loop_jobs = [(p, False, args.loop_layers) for p in args.presets] + [("semanticache", True, 1)]
+    loop_jobs = loop_jobs if 2048 in caches and args.loop_layers else []
     rows, loops = [], []
-    with tqdm(total=len(jobs) * layers + len(loop_jobs) * args.loop_layers, desc="compress", unit="layer") as bar:
+    with tqdm(total=len(jobs) * layers + sum(j[2] for j in loop_jobs), desc="compress", unit="layer") as bar:
         for n, preset, keep in jobs:
             bar.set_postfix_str(f"{preset} N={n} keep={keep}")
             k, v, t = caches[n]
@@ -307,10 +333,10 @@ def main():
             tqdm.write(f"{preset:22s} N={n:6d} keep={keep}: {row['wall_s']:.2f} s wall, {row['cpu_s']:.2f} s cpu "
                        f"for {layers} layers ({100 * row['share_of_8k_prefill_cpu']:.2f}% of the 8k prefill cpu); "
                        f"budget met {row['budget_met_layers']}/{layers}")
-        for preset in loop_jobs:
-            bar.set_postfix_str(f"plain loop {preset} N=2048")
+        for preset, per_pair, n_layers in loop_jobs:
+            bar.set_postfix_str(f"plain loop {preset} N=2048{' per pair' if per_pair else ''}")
             k, v, t = caches[2048]
-            loops.append(loop_baseline(preset, 0.5, k, v, t, vocab, args.loop_layers, bar))
+            loops.append(loop_baseline(preset, 0.5, k, v, t, vocab, n_layers, bar, per_pair=per_pair))
 
     growth = []
     for preset in args.presets:

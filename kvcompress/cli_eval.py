@@ -44,11 +44,13 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
                    help="a predefined ablation: its methods (and budgets unless --budgets is given)")
     m.add_argument("--budgets", default=None, help=f"keep ratios (default: {DEFAULT_BUDGETS})")
     g = p.add_argument_group("model and run")
-    g.add_argument("--model", default=None, help="a Hugging Face model id or path (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face model id or path (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     g.add_argument("--backend", default="sdpa", choices=["auto", "flex", "sdpa"],
-                   help="proportional attention backend (default sdpa: deterministic; auto picks the faster one by timing)")
+                   help="proportional attention backend (default sdpa: deterministic; auto picks the faster "
+                        "one by timing)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--samples", type=int, default=1,

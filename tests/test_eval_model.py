@@ -190,7 +190,7 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
     assert len(data["samples"]) == len(agnostic)
     row = next(r for r in data["aggregate"] if r["method"] == "full")
     assert row["n"] == len(samples) and row["budget"] == 1.0
-    for name in ("heatmap_agnostic.png", "accuracy_vs_budget.png", "leading_digits_vs_budget.png"):
+    for name in ("heatmap_agnostic.png", "summary.png", "accuracy_vs_budget.png", "leading_digits_vs_budget.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
     assert "| method |" in summary
 

@@ -22,7 +22,7 @@ from ..validation import check_int, require
 from .caches import Recorder, compressed_copy, needs_of
 from .data import Haystack
 from .results import CellStore, cell_key
-from .runner import Grid, _progress
+from .runner import Grid, progress_bar
 
 PROTOCOL = "teacher-forced"
 
@@ -65,7 +65,8 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tenso
     nll_full = -ref.gather(-1, targets[:, None])[:, 0]
     nll = -cmp.gather(-1, targets[:, None])[:, 0]
     ppl_full, ppl = math.exp(float(nll_full.mean())), math.exp(float(nll.mean()))
-    return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float((ref.argmax(-1) == cmp.argmax(-1)).double().mean()),
+    top1 = (ref.argmax(-1) == cmp.argmax(-1)).double().mean()
+    return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1),
             "ppl_full": ppl_full, "ppl": ppl, "ppl_delta": ppl - ppl_full, "positions": int(targets.numel())}
 
 
@@ -74,7 +75,7 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
     """Every pending (window, method, budget) cell; returns the grid's records."""
     cells_of = {sid: [(m, b) for m, b, _ in grid.cells() if not store.done(cell_key(sid, m.label, b, PROTOCOL))]
                 for sid, _ in windows}
-    bar = _progress(sum(len(v) for v in cells_of.values()), progress, "fidelity")
+    bar = progress_bar(sum(len(v) for v in cells_of.values()), progress, "fidelity")
     try:
         for sid, ids in windows:
             cells = cells_of[sid]

@@ -92,7 +92,8 @@ class Method:
         return (1.0,) if self.is_full else tuple(budgets)
 
 
-def parse_methods(presets: str | None = None, methods=None, overrides=None, ablation: str | None = None) -> list[Method]:
+def parse_methods(presets: str | None = None, methods=None, overrides=None,
+                  ablation: str | None = None) -> list[Method]:
     """Methods from ``--presets a,b`` (or "all"), ``--method SPEC`` entries and an ``--ablation``;
     ``overrides`` (a dict) applies to every method but "full". Order kept, duplicates removed."""
     specs: list[str] = []

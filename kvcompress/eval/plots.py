@@ -89,8 +89,9 @@ def summary_heatmap(rows: list[dict], path: str | Path, value: str = "accuracy",
     protocols = list(dict.fromkeys(r["protocol"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     budgets = sorted({r["budget"] for r in rows}, reverse=True)
-    fig, axes = plt.subplots(1, len(protocols), figsize=(1.2 + 0.9 * len(budgets) * len(protocols) + 2.6 * len(protocols),
-                                                         1.2 + 0.32 * len(methods)), squeeze=False, layout="constrained")
+    width = 1.2 + (0.9 * len(budgets) + 2.6) * len(protocols)
+    fig, axes = plt.subplots(1, len(protocols), figsize=(width, 1.2 + 0.32 * len(methods)), squeeze=False,
+                             layout="constrained")
     im = None
     for ax, protocol in zip(axes[0], protocols):
         grid = [[float("nan")] * len(budgets) for _ in methods]

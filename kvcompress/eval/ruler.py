@@ -89,7 +89,8 @@ def _vt(tokenizer, length: int, rng: random.Random, hops: int = 4) -> dict:
     filler = noise.window(tokenizer, max(length - chain_tokens, 1), None)
     depths = sorted(rng.random() for _ in sentences)
     ctx = insert_at_depth(filler, [(f"var{i}", s, d) for i, (s, d) in enumerate(zip(sentences, depths))])
-    return {"context": ctx.text, "question": f"Find all variables that are assigned the value {value} in the text above.",
+    question = f"Find all variables that are assigned the value {value} in the text above."
+    return {"context": ctx.text, "question": question,
             "answers": names, "spans": ctx.spans, "depths": [round(d, 3) for d in depths]}
 
 

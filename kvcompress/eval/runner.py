@@ -66,7 +66,7 @@ class Grid:
                     yield method, budget, protocol
 
 
-def _progress(total: int, enabled: bool, desc: str):
+def progress_bar(total: int, enabled: bool, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, disable=not enabled, desc=desc, unit="cell", file=sys.stderr, dynamic_ncols=True)
@@ -84,7 +84,7 @@ def run_qa(model, tokenizer, samples: list, grid: Grid, store: CellStore, *, cha
                for s in samples}
     total = sum(len(v) for v in pending.values())
     stop = stop_ids(tokenizer)
-    bar = _progress(total, progress, "eval")
+    bar = progress_bar(total, progress, "eval")
     try:
         for sample in samples:
             cells = pending[sample.sample_id]
