@@ -47,8 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate (default 24)")
     parser.add_argument("--tokens", type=int, default=2000,
                         help="context length in tokens: the text is cut to this many (default 2000)")
-    parser.add_argument("--backend", choices=("auto", "flex", "sdpa"), default="auto",
-                        help="attention backend (auto: FlexAttention on CUDA, the faster one on CPU)")
+    parser.add_argument("--backend", choices=("auto", "flex", "sdpa"), default=None,
+                        help="attention backend; auto = FlexAttention on CUDA, on CPU the faster one after "
+                             "probing (which compiles FlexAttention: 20-40 s on 2 cores, more than the rest "
+                             "of a short demo). Default: auto on GPUs, sdpa on CPU")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -137,6 +139,8 @@ def run(args) -> int:
 
     from .hf.generate import generate
 
+    if args.backend is None:
+        args.backend = "sdpa" if str(args.device).startswith("cpu") else "auto"
     result = generate(model, tokenizer, context, question=question, pipeline=config,
                       max_new_tokens=args.max_new_tokens, backend=args.backend)
     report = dict(result.report)

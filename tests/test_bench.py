@@ -221,3 +221,19 @@ def test_plots_are_written(tiny_results, tmp_path):
     paths = plot_results(results, tmp_path, prefix="eff")
     assert sorted(p.name for p in paths) == ["eff_memory_tiny.png", "eff_tpot_tiny.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_merged_results_keep_every_run_and_reevaluate_floors(tiny_results):
+    from kvcompress.bench.report import markdown
+    from kvcompress.bench.runner import merge_results
+
+    results, _ = tiny_results
+    other = json.loads(json.dumps(results))
+    for r in other["runs"]:
+        r["length"] = 128
+    merged = merge_results([results, other])
+    assert len(merged["runs"]) == 2 * len(results["runs"]) and len(merged["parts"]) == 2
+    kv = next(f for f in merged["floors"] if f["name"] == "kv_bytes")
+    assert {i["length"] for i in kv["items"]} == {64, 128}
+    text = markdown(merged)
+    assert "## Floors" in text and "| streamingllm 0.5 |" in text and "## tiny: TPOT" in text

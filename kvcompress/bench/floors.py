@@ -108,8 +108,9 @@ def tpot_floor(runs, weights: dict) -> dict:
                       "speedup": round(speedup, 4), "bound": round(bound, 4),
                       "share_of_bound": round(speedup / bound, 4), "weights_bytes": W, "kv_full_bytes": kv_full,
                       "kv_compressed_bytes": kv_c, "pass": speedup >= TPOT_BOUND_SHARE * bound})
-    return {"name": "tpot_smollm2_8k", "rule": f"{SMOLLM2} at {TPOT_LENGTH} tokens, budget {FLOOR_BUDGET}: TPOT speedup "
-            f">= {TPOT_BOUND_SHARE} x (W + KV_full) / (W + KV_compressed)", "threshold": TPOT_BOUND_SHARE,
+    return {"name": "tpot_smollm2_8k",
+            "rule": f"{SMOLLM2} at {TPOT_LENGTH} tokens, budget {FLOOR_BUDGET}: TPOT speedup "
+                    f">= {TPOT_BOUND_SHARE} x (W + KV_full) / (W + KV_compressed)", "threshold": TPOT_BOUND_SHARE,
             "pass": _verdict(items), "items": items,
             "note": "medians of the timed steps; best full = fastest of stock DynamicCache and kvcompress "
                     "uncompressed (sdpa / flex); best compressed = fastest backend"}

@@ -26,12 +26,13 @@ def tpot_table(results: dict, model: str) -> str:
             for b in backends:
                 hit = [r for r in runs if _label(r) == label and r["length"] == n
                        and (r["backend"] == b or r["method"] == "full-stock")]
-                cells.append(_fmt(hit[0]["tpot"]["median_ms"], 0) if hit and (r_b_ok(hit[0], b, backends)) else "")
+                shown = hit and _shown(hit[0], b, backends)
+                cells.append(_fmt(hit[0]["tpot"]["median_ms"], 0) if shown else "")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def r_b_ok(run, backend, backends):
+def _shown(run, backend, backends) -> bool:
     # the stock cache has one backend: show it under the first column only
     return run["method"] != "full-stock" or backend == backends[0]
 
@@ -39,8 +40,8 @@ def r_b_ok(run, backend, backends):
 def memory_table(results: dict, model: str) -> str:
     runs = [r for r in results["runs"] if r["model"] == model]
     first = next((r["backend"] for r in runs if r["method"] == "full"), None)
-    lines = ["| length | method | KV held MiB | held / full | allocated MiB | allocated / full | build peak RSS MiB | "
-             "decode-step peak RSS MiB | compress s | attention ms (sdpa / flex) |",
+    lines = ["| length | method | KV held MiB | held / full | allocated MiB | allocated / full "
+             "| build peak RSS MiB | decode-step peak RSS MiB | compress s | attention ms (sdpa / flex) |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
         if r["method"] != "full-stock" and r["backend"] != first:
@@ -50,9 +51,11 @@ def memory_table(results: dict, model: str) -> str:
         att_txt = _fmt(att.get("stock-sdpa"), 1) if r["method"] == "full-stock" else \
             " / ".join(_fmt(att.get(b), 1) for b in ("sdpa", "flex") if b in att)
         lines.append(
-            f"| {r['length']} | {_label(r)} | {r['kv_bytes_held'] / MIB:.1f} | {r['kv_bytes_held'] / r['kv_bytes_full']:.3f} "
+            f"| {r['length']} | {_label(r)} | {r['kv_bytes_held'] / MIB:.1f} "
+            f"| {r['kv_bytes_held'] / r['kv_bytes_full']:.3f} "
             f"| {r['kv_bytes_allocated'] / MIB:.1f} | {r['kv_bytes_allocated'] / r['kv_bytes_full']:.3f} "
-            f"| {_fmt((r.get('build_rss_delta') or 0) / MIB, 0)} | {_fmt(r['decode_step_rss'].get('delta', 0) / MIB, 0)} "
+            f"| {_fmt((r.get('build_rss_delta') or 0) / MIB, 0)} "
+            f"| {_fmt(r['decode_step_rss'].get('delta', 0) / MIB, 0)} "
             f"| {r['compress_s']:.2f} | {att_txt} |")
     return "\n".join(lines)
 

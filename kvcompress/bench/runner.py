@@ -20,7 +20,7 @@ from . import caches as C
 from .floors import FLOOR_BUDGET, evaluate
 from .machine import describe_machine, load_average
 from .memory import METHOD_DOC, PeakRSS, rss_bytes
-from .sources import LLAMA3_SYNTHETIC, MODELS, SMOLLM2, TINY, LoadedModel, TokenSource, load, weight_bytes_per_token
+from .sources import LLAMA3_SYNTHETIC, MODELS, SMOLLM2, LoadedModel, TokenSource, load, weight_bytes_per_token
 from .timing import DecodeStream, attention_time, layer_tensors, round_robin, summarize
 
 BACKENDS = ("sdpa", "flex")

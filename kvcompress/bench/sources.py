@@ -67,7 +67,8 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def load(name: str, *, dtype: str = "float32", synthetic_layers: int = 2, tokenizer=None, seed: int = 0) -> LoadedModel:
+def load(name: str, *, dtype: str = "float32", synthetic_layers: int = 2, tokenizer=None,
+         seed: int = 0) -> LoadedModel:
     """Load or build model ``name`` (see MODELS). ``tokenizer`` (SmolLM2's) is reused by the
     synthetic model for real token ids; without one it tries to load SmolLM2's tokenizer."""
     check_choice("model", name, MODELS)
@@ -82,7 +83,8 @@ def load(name: str, *, dtype: str = "float32", synthetic_layers: int = 2, tokeni
 
         model, tok = load_model(dtype=dtype)
         return LoadedModel(name, model, tok, token_texts(tok), True, time.perf_counter() - start,
-                           "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), 30 layers, 9 query / 3 KV heads, head dim 64")
+                           "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), 30 layers, 9 query / 3 KV heads, "
+                           "head dim 64")
     if name == LLAMA3_SYNTHETIC:
         tok = tokenizer if tokenizer is not None else _smollm2_tokenizer()
         vocab = token_texts(tok) if tok is not None else TINY_VOCAB

@@ -142,7 +142,8 @@ def metric_vs_budget(rows: list[dict], path: str | Path, value: str = "accuracy"
         ax.set_ylabel(ylabel or value)
         if ylim is not None:
             ax.set_ylim(*ylim)
-        ax.invert_xaxis()
+        budgets = [r["budget"] for r in sub] or [1.0]
+        ax.set_xlim(1.03, max(0.0, min(budgets) - 0.08))  # high budget (little compression) left
         ax.grid(alpha=0.3)
         ax.set_title(f"{title}{'' if p is None else (' ' if title else '') + str(p)}", fontsize=9)
         ax.legend(fontsize=6, loc="best")

