@@ -284,6 +284,12 @@ def _report(out: Path, plots: bool = True) -> int:
     if not run_file.exists():
         raise ValueError(f"out={str(out)!r} is invalid: expected a directory holding run.json and cells.jsonl")
     meta = json.loads(run_file.read_text())
+    previous = out / "results.json"
+    if previous.exists():  # keep the command and grid of the run that wrote it
+        try:
+            meta = {**meta, **json.loads(previous.read_text()).get("meta", {})}
+        except json.JSONDecodeError:
+            pass
     records = []
     for line in (out / "cells.jsonl").read_text().splitlines():
         try:

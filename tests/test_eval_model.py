@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -172,6 +173,17 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
     finally:
         counter.close()
     assert counter.lengths == [] and again == records
+    # a sample whose prompt changed under the same id (a generator change) runs again
+    changed = [dataclasses.replace(samples[0], context=samples[0].context.replace("cat", "dog"))] + samples[1:]
+    counter = ForwardCounter(model)
+    try:
+        redone = run_qa(model, tok, changed, grid, CellStore(tmp_path, {"task": "niah"}), backend="sdpa",
+                        progress=False, max_new_tokens=3)
+    finally:
+        counter.close()
+    assert sum(n >= min(heads) for n in counter.lengths) == 1
+    assert redone[n_cells:] == records[n_cells:] and redone[0]["prompt_sha"] != records[0]["prompt_sha"]
+    samples = changed
     # a bigger grid runs only the new cells
     bigger = Grid(methods, (0.5, 0.25, 0.75), ("agnostic", "aware"))
     counter = ForwardCounter(model)
@@ -181,7 +193,7 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
     finally:
         counter.close()
     assert len(more) == len(samples) * 2 * (1 + 2 * 3)
-    assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == len(more)
+    assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == len(more) + n_cells  # + the redone ones
 
     agnostic = [r for r in more if r["protocol"] == "agnostic"]  # fewer panels: faster plots
     summary = finish(tmp_path, "niah", {"task": "niah"}, agnostic)

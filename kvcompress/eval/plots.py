@@ -84,7 +84,7 @@ def heatmaps(records: list[dict], path_pattern: str | Path, value: str = "score"
 
 def summary_heatmap(rows: list[dict], path: str | Path, value: str = "accuracy", title: str = "") -> Path:
     """Methods (rows) x budgets (columns) of aggregate ``value``, one panel per protocol;
-    cells say hits/n, and "*" marks a budget the method did not meet (best effort kept more)."""
+    cells say hits/n, and "keep 0.29!" the achieved keep where the method did not meet the budget."""
     plt = _plt()
     protocols = list(dict.fromkeys(r["protocol"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -101,7 +101,9 @@ def summary_heatmap(rows: list[dict], path: str | Path, value: str = "accuracy",
             i, j = methods.index(r["method"]), budgets.index(r["budget"])
             grid[i][j] = r[value]
             label = f"{r['hits']}/{r['n']}" if "hits" in r else f"{r[value]:.3g}"
-            ax.text(j, i, label + ("" if r.get("budget_met", True) else "*"), ha="center", va="center", fontsize=7)
+            if not r.get("budget_met", True) and r.get("keep_max") is not None:
+                label += f"\nkeep {r['keep_max']:.2f}!"  # best effort: the budget was not reached
+            ax.text(j, i, label, ha="center", va="center", fontsize=7)
         im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets], fontsize=7)
         ax.set_yticks(range(len(methods)), methods, fontsize=7)

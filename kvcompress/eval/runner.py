@@ -12,6 +12,7 @@ question), whatever the number of methods; each method compresses its own copy o
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,8 +81,7 @@ def run_qa(model, tokenizer, samples: list, grid: Grid, store: CellStore, *, cha
     protect: name of a sample span to protect from merging and eviction in every layer and head
              (an oracle, e.g. "needle"); None protects nothing
     """
-    pending = {s.sample_id: [c for c in grid.cells() if not store.done(cell_key(s.sample_id, c[0].label, c[1], c[2]))]
-               for s in samples}
+    pending = {s.sample_id: [c for c in grid.cells() if not _finished(store, s, c)] for s in samples}
     total = sum(len(v) for v in pending.values())
     stop = stop_ids(tokenizer)
     bar = progress_bar(total, progress, "eval")
@@ -96,6 +96,18 @@ def run_qa(model, tokenizer, samples: list, grid: Grid, store: CellStore, *, cha
         bar.close()
     keys = [cell_key(s.sample_id, m.label, b, p) for s in samples for m, b, p in grid.cells()]
     return [store.records[k] for k in keys if k in store.records]
+
+
+def prompt_hash(sample: QASample) -> str:
+    """A short hash of what the model reads, so a cell computed for another prompt (the
+    generator changed) under the same sample id is run again rather than reused."""
+    return hashlib.sha1(f"{sample.context}\x00{sample.question}".encode()).hexdigest()[:12]
+
+
+def _finished(store: CellStore, sample: QASample, cell) -> bool:
+    method, budget, protocol = cell
+    record = store.records.get(cell_key(sample.sample_id, method.label, budget, protocol))
+    return record is not None and record.get("prompt_sha", prompt_hash(sample)) == prompt_hash(sample)
 
 
 def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backend, protect, stop, bar,
@@ -140,7 +152,7 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
             "overrides": dict(method.overrides), "budget": budget, "protocol": protocol,
             **sample.meta,
             "context_tokens": context_tokens, "compressed_tokens": snap.num_tokens,
-            "expected": list(sample.answers), "answer": answer, **scores,
+            "expected": list(sample.answers), "answer": answer, **scores, "prompt_sha": prompt_hash(sample),
             "keep_max": round(copy.keep_max, 5), "keep_mean": round(copy.keep_mean, 5),
             "budget_met": bool(copy.keep_max <= budget + 1e-9), "layers_met": copy.layers_met,
             "protected": protect, "trace": copy.trace,
