@@ -6,7 +6,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_hf_utils import stock_copy, tiny_model, tiny_tokenizer  # noqa: E402
+from test_hf_utils import (  # noqa: E402
+    stock_copy, tiny_model, tiny_tokenizer,
+    one_thread,  # noqa: F401  (autouse fixture)
+)
 
 import kvcompress  # noqa: E402
 from kvcompress import PipelineConfig  # noqa: E402
@@ -29,6 +32,8 @@ def test_generate_returns_text_and_report(tiny):
                                  **SMALL)
     rep = result.report
     assert isinstance(result.text, str) and len(result.token_ids) == 5
+    text, info = result  # the README's spelling
+    assert text == result.text and info is rep
     for key in ("answer", "kv_bytes_full", "kv_bytes_compressed", "slots_per_layer", "prefill_s", "compress_s",
                 "decode_s", "context_tokens", "question_tokens"):
         assert key in rep

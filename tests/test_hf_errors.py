@@ -9,7 +9,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_hf_utils import MERGING, make_cache, prompt_ids, tiny_model  # noqa: E402
+from test_hf_utils import (  # noqa: E402
+    MERGING, make_cache, prompt_ids, tiny_model,
+    one_thread,  # noqa: F401  (autouse fixture)
+)
 
 from kvcompress import BudgetError, register_clusterer  # noqa: E402
 from kvcompress.hf import CompressedCache  # noqa: E402

@@ -14,7 +14,10 @@ flex = pytest.importorskip("kvcompress.flex")
 if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
     pytest.skip("torch.compile on CPU needs a C++ compiler", allow_module_level=True)
 
-from test_hf_utils import MERGING, make_cache, prompt_ids, tiny_model  # noqa: E402
+from test_hf_utils import (  # noqa: E402
+    MERGING, make_cache, prompt_ids, tiny_model,
+    one_thread,  # noqa: F401  (autouse fixture)
+)
 
 from kvcompress.hf import compile_count  # noqa: E402
 

@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 from test_hf_utils import (  # noqa: E402
+    one_thread,  # noqa: F401  (autouse fixture)
     MERGE_NOTHING, MERGING, left_pad, make_cache, prompt_ids, stock_copy, tiny_model,
 )
 

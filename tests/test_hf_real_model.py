@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.real_model
 
-from test_hf_utils import _DEFAULT_THREADS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ESSAYS = REPO.parent / "shared" / "data" / "paul_graham_essays"
@@ -40,11 +39,7 @@ if (_why := _available()) is not None:
 def smollm2():
     from kvcompress.hf.loading import load_model
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(_DEFAULT_THREADS)  # test_hf_utils runs the tiny tests on one thread
-    model, tokenizer = load_model()
-    yield model, tokenizer
-    torch.set_num_threads(before)
+    return load_model()
 
 
 def _essays(tokenizer, tokens: int, skip: int = 0) -> list[int]:

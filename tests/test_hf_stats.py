@@ -7,7 +7,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_hf_utils import MERGE_NOTHING, MERGING, expanded_reference, make_cache, prompt_ids, stock_copy, tiny_model  # noqa: E402,E501
+from test_hf_utils import (  # noqa: E402
+    one_thread,  # noqa: F401  (autouse fixture)
+    MERGE_NOTHING, MERGING, expanded_reference, make_cache, prompt_ids, stock_copy, tiny_model,
+)
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 

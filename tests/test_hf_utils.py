@@ -19,10 +19,16 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from kvcompress.attention import expand_state  # noqa: E402
 from kvcompress.hf import CompressedCache, register_attention  # noqa: E402
 
-# The tiny model's matmuls take microseconds: worker threads only add overhead (10x on a loaded
-# 2-core machine). Real-model tests restore the default thread count (_DEFAULT_THREADS).
-_DEFAULT_THREADS = torch.get_num_threads()
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's matmuls take microseconds: worker threads only add overhead (10x on a
+    loaded 2-core machine). Autouse in every module that imports it; restores the count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 VOCAB_SIZE = 128
 # token i decodes to a word; every 8th token is a delimiter (".", ",", "\n" ...), some fused

@@ -4,7 +4,7 @@ The only package of kvcompress that imports transformers. Nothing is patched at 
 
     from kvcompress.hf import CompressedCache
     cache = CompressedCache.for_model(model, tokenizer, "semanticache", keep_ratio=0.5)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values= before the rename
 
 ``register_attention()`` registers "kvcompress", "kvcompress_flex" and "kvcompress_bias" with
 transformers (``for_model`` does it for you).

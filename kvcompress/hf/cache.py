@@ -1,7 +1,7 @@
 """CompressedCache: a transformers ``Cache`` whose layers hold merged slots with log-sizes.
 
     cache = CompressedCache.for_model(model, tokenizer, "semanticache", keep_ratio=0.5)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values= before the rename
     cache.close()  # or let it be garbage-collected: removes the hooks it installed
 
 ``for_model`` registers the kvcompress attention implementations, switches the model to
@@ -11,7 +11,7 @@ this cache, the token ids (text-aware chunkers need them) and which new tokens a
 (those get log-size -inf and can never be attended, even after merging).
 
 Compression: each layer compresses itself right after its attention output is computed in the
-forward that fills it (the prefill), so ``model.generate(..., past_key_values=cache)`` works
+forward that fills it (the prefill), so ``model.generate(..., cache=cache)`` works
 directly and the first generated token still sees the full prompt. While decoding,
 ``DecodeCompressor`` compresses a layer back to the budget when it exceeds it by
 ``recompress_every`` slots. A cache that already covers the whole prompt makes generate re-feed
@@ -20,11 +20,17 @@ the prompt: prefill all but the last token yourself, or let generate prefill.
 ``get_seq_length()`` is the number of TOKENS SEEN, not slots: generate and the model derive
 positions from it. A forward that fails (e.g. a budget that cannot be met) leaves the cache as
 it was before that forward.
+
+Beam search: let generate prefill (it expands the prompt, the cache follows), or call
+``cache.batch_repeat_interleave(num_beams)`` on a cache you prefilled yourself.
+Statistics for scorers: with ``query_window=W`` each layer's state carries its last W post-RoPE
+queries in ``extras["queries"]`` [B, H_q, W, D]; with ``track_attention=True`` the attention each
+slot received (prefill and decoding, summed over the query heads of its KV group) in
+``extras["attn_acc"]`` [B, H_kv, N] float32, summed over members when slots merge.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Mapping

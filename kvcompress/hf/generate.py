@@ -20,7 +20,10 @@ from .cache import CompressedCache
 
 @dataclass
 class GenerationResult:
-    """text: the generated answer; token_ids: its ids; report: sizes, slots and times."""
+    """text: the generated answer; token_ids: its ids; report: sizes, slots and times.
+
+    Unpacks as ``text, report = kvcompress.generate(...)``.
+    """
 
     text: str
     token_ids: list[int]
@@ -28,6 +31,9 @@ class GenerationResult:
 
     def __str__(self) -> str:
         return self.text
+
+    def __iter__(self):
+        return iter((self.text, self.report))
 
 
 def cache_kwarg(model) -> str:
@@ -50,7 +56,8 @@ def split_prompt(tokenizer, context: str, question: str | None, chat: bool | Non
     """
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
     if use_chat:
-        require(bool(getattr(tokenizer, "chat_template", None)), "chat", chat, "False for a tokenizer without a chat template")
+        require(bool(getattr(tokenizer, "chat_template", None)), "chat", chat,
+                "False for a tokenizer without a chat template")
         content = context if not question else f"{context}\n\n{question}"
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                  add_generation_prompt=True)
