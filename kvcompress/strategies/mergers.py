@@ -54,14 +54,14 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
     M = int(out_index[..., -1].max()) + 1 if N else 0
     row_base = torch.arange(B * H, device=device)[:, None]  # [R, 1]
     # flat row index (into [R * M]) of every representative, and of every member merged into one
-    rep_src = is_rep.view(-1).nonzero().squeeze(1)  # [K] into [R * N]
-    rep_out = (row_base * M + out_index.view(B * H, N)).view(-1)[rep_src]  # [K]
+    rep_src = is_rep.reshape(-1).nonzero().squeeze(1)  # [K] into [R * N]
+    rep_out = (row_base * M + out_index.reshape(B * H, N)).reshape(-1)[rep_src]  # [K]
     merged = kept & ~is_rep
-    mem_src = merged.view(-1).nonzero().squeeze(1)  # [Q]
-    mem_rep = (row_base * N + safe_parent.view(B * H, N)).view(-1)[mem_src]  # [Q] its representative
-    mem_out = (row_base * M + out_index.view(B * H, N)).view(-1)[mem_rep]  # [Q]
+    mem_src = merged.reshape(-1).nonzero().squeeze(1)  # [Q]
+    mem_rep = (row_base * N + safe_parent.reshape(B * H, N)).reshape(-1)[mem_src]  # [Q] its representative
+    mem_out = (row_base * M + out_index.reshape(B * H, N)).reshape(-1)[mem_rep]  # [Q]
 
-    sizes = state.log_sizes.exp().view(-1)  # [R * N] float32 (0 for padding)
+    sizes = state.log_sizes.exp().reshape(-1)  # [R * N] float32 (0 for padding)
     if weighting == "size":
         w_rep, w_mem = sizes[rep_src], sizes[mem_src]
     else:
@@ -102,8 +102,9 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
     protected = None if state.protected is None else gather_reps(state.protected, False)
 
     extras = {}
-    kept_src = kept.view(-1).nonzero().squeeze(1)
-    kept_out = (row_base * M + out_index.view(B * H, N).gather(1, safe_parent.view(B * H, N))).view(-1)[kept_src]
+    kept_src = kept.reshape(-1).nonzero().squeeze(1)
+    kept_out = (row_base * M + out_index.reshape(B * H, N).gather(1, safe_parent.reshape(B * H, N)))
+    kept_out = kept_out.reshape(-1)[kept_src]
     for name, x in state.extras.items():
         if isinstance(x, Tensor) and tuple(x.shape[:3]) == (B, H, N):
             # per-slot statistics (e.g. accumulated attention) add up over members
