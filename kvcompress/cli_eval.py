@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from .eval.methods import ABLATIONS
+
 COMMAND = "eval"
 HELP = "evaluate methods on a real model: niah, ruler, fidelity (resumable; JSON + PNG results)"
 DEFAULT_PRESETS = "full,semanticache,semanticache-fixed64,centroidkv,streamingllm,snapkv"
@@ -40,7 +42,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     m.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="applied to every method but 'full', repeatable: a PipelineConfig field or "
                         "stage.param (e.g. recent=16, clusterer.tau=0.8); VALUE parsed as JSON")
-    m.add_argument("--ablation", default=None, choices=["chunking", "proportional", "tau", "csm-chunk"],
+    m.add_argument("--ablation", default=None, choices=sorted(ABLATIONS),
                    help="a predefined ablation: its methods (and budgets unless --budgets is given)")
     m.add_argument("--budgets", default=None, help=f"keep ratios (default: {DEFAULT_BUDGETS})")
     g = p.add_argument_group("model and run")

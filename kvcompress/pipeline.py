@@ -18,6 +18,9 @@ from .types import CompressionReport, KVState
 from .validation import check_int, require
 
 
+GUARD_MARK = "guarded"  # extras key: [B, H, N] uint8, slots a persistent guard protected once
+
+
 class BudgetError(ValueError):
     """The budget cannot be met under the pipeline's protection and chunking."""
 
@@ -36,9 +39,51 @@ class Pipeline:
         self.clusterer = CLUSTERERS.create(cfg.clusterer.name, cfg.clusterer.params)
         self.merger = MERGERS.create(cfg.merger.name, cfg.merger.params)
         self.guards = tuple(GUARDS.create(g.name, g.params) for g in cfg.guards)
+        self._cross = tuple(g for g in self.guards if getattr(g, "cross_layer", False))
+        self._persistent = tuple(g for g in self.guards if getattr(g, "persistent", False))
 
     def __repr__(self) -> str:
         return f"Pipeline({self.config.name!r}, {self.config.to_dict()})"
+
+    # ------------------------------------------------------------------ cross-layer guards
+    @property
+    def needs_all_layers(self) -> bool:
+        """True when a guard decides from every layer at once: call ``prepare`` with all layers'
+        states before compressing any of them (``CompressedCache`` does so after the prefill)."""
+        return bool(self._cross)
+
+    def prepare(self, states) -> None:
+        """Let cross-layer guards decide from ``states`` (one uncompressed KVState per layer, same
+        tokens). Without this call, ``compress`` prepares them from the one layer it is given."""
+        states = list(states)
+        require(len(states) > 0 and all(isinstance(s, KVState) for s in states), "states",
+                type(states).__name__, "a non-empty list of KVState, one per layer")
+        if not self._cross:
+            return
+        first = states[0]
+        budget = self.target_slots(first).amin(-1)  # [B]
+        T = first.num_tokens
+        pos = torch.arange(T, device=first.keys.device)[None, :]  # [1, T]
+        rel = pos - first.start()[:, None]
+        already = (rel < self.config.sinks) | (pos >= T - self.config.recent) | (rel < 0)  # [B, T]
+        for guard in self._cross:
+            guard.prepare(states, budget, already)
+
+    def _prepared(self, state: KVState) -> KVState:
+        """Prepare cross-layer guards from this layer when nobody did, and mark the slots of
+        persistent guards in ``extras[GUARD_MARK]`` so later compressions keep them."""
+        if GUARD_MARK not in state.extras:
+            if any(not g.prepared_for(state) for g in self._cross):
+                self.prepare([state])
+        if not self._persistent:
+            return state
+        mark = torch.zeros_like(state.valid)
+        for guard in self._persistent:
+            mark |= guard(state)
+        old = state.extras.get(GUARD_MARK)
+        if old is not None:
+            mark |= old > 0
+        return state.replace(extras={**state.extras, GUARD_MARK: mark.to(torch.uint8)})
 
     # ------------------------------------------------------------------ budget & protection
     def target_slots(self, state: KVState, layer_idx: int | None = None) -> Tensor:
@@ -73,6 +118,9 @@ class Pipeline:
             protected |= valid & (state.positions >= state.num_tokens - cfg.recent)
         if state.protected is not None:
             protected |= state.protected & valid
+        marked = state.extras.get(GUARD_MARK)
+        if marked is not None:
+            protected |= (marked > 0) & valid
         for guard in self.guards:
             mask = guard(state)
             require(tuple(mask.shape) == tuple(valid.shape) and mask.dtype == torch.bool,
@@ -92,7 +140,7 @@ class Pipeline:
             check_int("layer_idx", layer_idx, 0)
         cfg = self.config
         target = self.target_slots(state, layer_idx)
-        current = state
+        current = state = self._prepared(state)
         taus = None
         rounds = 0
         for round_idx in range(cfg.max_rounds):

@@ -5,6 +5,7 @@ reference lists every PipelineConfig field, and relative links point at files th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def test_strategy_pages_cover_every_registered_strategy():
 
 
 PARAM_PAGES = {"chunker": "chunkers.md", "clusterer": "clusterers.md", "merger": "mergers.md",
-               "scorer": "guards-and-scorers.md"}
+               "scorer": "guards-and-scorers.md", "guard": "guards-and-scorers.md"}
 _ROW = re.compile(r"^\| `([^`]+)` \| `([^`]+)` \|", re.M)
 
 
@@ -118,12 +119,16 @@ def test_parameter_tables_match_the_code(kind):
     documented = documented_parameters(PARAM_PAGES[kind], names)
     for name in sorted(names):
         factory = registry.get(name)
-        fields = {f.name: f for f in dataclasses.fields(factory) if f.init} if dataclasses.is_dataclass(factory) else {}
-        if not fields:
+        if dataclasses.is_dataclass(factory):
+            defaults = {f.name: f.default for f in dataclasses.fields(factory) if f.init}
+        else:  # a plain class: its keyword parameters
+            defaults = {p.name: p.default for p in inspect.signature(factory).parameters.values()
+                        if p.default is not inspect.Parameter.empty}
+        if not defaults:
             continue
         assert name in documented, f"{kind} {name!r} has no parameter table in docs/{PARAM_PAGES[kind]}"
         rows = documented[name]
-        assert set(rows) == set(fields), (name, sorted(rows), sorted(fields))
+        assert set(rows) == set(defaults), (name, sorted(rows), sorted(defaults))
         for param, text in rows.items():
-            default = fields[param].default
+            default = defaults[param]
             assert _same_default(text, default), f"{kind} {name}.{param}: docs say {text}, code {default!r}"

@@ -31,6 +31,10 @@ ABLATIONS = {
     "tau": (("full",) + tuple(f"semanticache:clusterer.tau={t}" for t in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95))
             + tuple(f"semanticache-fixed64:clusterer.tau={t}" for t in (0.5, 0.7, 0.9)), (1.0,)),
     "csm-chunk": (("full", "centroidkv-chunk16", "centroidkv-chunk64", "centroidkv-chunk256"), (0.75, 0.5, 0.25)),
+    # issue 9: which signal of the sentence guard does the work (run with --protocols agnostic,aware)
+    "guards": (("full", "semanticache-fixed64", "semanticache-safe")
+               + tuple(f'semanticache-safe:guards=[{{"name":"sentences","params":{{"signals":["{s}"]}}}}]'
+                       for s in ("query", "literal", "novelty")), (0.5, 0.25)),
 }
 
 

@@ -97,6 +97,7 @@ class CompressedLayer(CacheLayerMixin):
         self.num_tokens = 0  # tokens seen
         self.queries: Tensor | None = None  # [B, Hq, W, D], the last W queries (query_window)
         self.compressed = False
+        self._deferred = False  # prefill compression waits for the last layer (cross-layer guards)
         self.last_report = None
         self.device = None
         self._undo = None
@@ -380,17 +381,44 @@ class CompressedLayer(CacheLayerMixin):
             return
         if bool((state.real_tokens() <= 0).all()):
             return
+        if step.fresh and cache.pipeline.needs_all_layers:
+            self._deferred = True  # cross-layer guards decide from every layer: wait for the last one
+            if self.layer_idx == len(cache.layers) - 1:
+                self._compress_deferred()
+            return
         start = time.perf_counter()
         if step.fresh:
             new_state, report = cache.pipeline.compress(state, self.layer_idx)
             new_state = _with_frontier(new_state, cache.config.recent)
         else:
             new_state, report = cache.decoder.compress(state, self.layer_idx)
+        self._install(new_state, report)
+        cache._record_compression(time.perf_counter() - start, prefill=step.fresh)
+
+    def _compress_deferred(self) -> None:
+        """Prefill compression of every waiting layer, after the pipeline's cross-layer guards
+        have seen all of them. All-or-nothing: the new states are installed only when every
+        layer compressed (an error leaves every layer as it was, and the forward rolls back)."""
+        cache = self.cache
+        layers = [layer for layer in cache.layers if layer._deferred]
+        start = time.perf_counter()
+        cache.pipeline.prepare([layer.state() for layer in layers])
+        done = []
+        for layer in layers:
+            new_state, report = cache.pipeline.compress(layer.state(), layer.layer_idx)
+            done.append((layer, _with_frontier(new_state, cache.config.recent), report))
+        for layer, new_state, report in done:
+            layer._deferred = False
+            layer._install(new_state, report)
+        seconds = time.perf_counter() - start
+        for _ in done:
+            cache._record_compression(seconds / len(done), prefill=True)
+
+    def _install(self, new_state: KVState, report) -> None:
         self._set_state(new_state)
         self.last_report = report
         if self._k.device.type == "cuda":
             torch.cuda.synchronize(self._k.device)  # kernels are asynchronous: time them whole
-        cache._record_compression(time.perf_counter() - start, prefill=step.fresh)
 
     def _may_exceed_budget(self) -> bool:
         """False when no head can hold more than budget + g slots: every head holds at most n
@@ -424,6 +452,7 @@ class CompressedLayer(CacheLayerMixin):
          self.compressed, self.last_report, self.extras) = self._undo
         self._undo = None
         self._step = None
+        self._deferred = False
         if self._k is None:
             self.device = None
             return

@@ -8,6 +8,7 @@ keep_ratio 0.5 matches the semanticache preset so the two compare at the same bu
 
 from ..config import PipelineConfig, StrategySpec
 from . import register_preset
+from .semanticache import SAFE_QUERY_WINDOW, sentence_guard
 
 CENTROIDKV_SINKS = 16
 CENTROIDKV_RECENT = 64
@@ -67,3 +68,9 @@ def centroidkv_random() -> PipelineConfig:
 def centroidkv_fixed_r() -> PipelineConfig:
     """Ablation: schedule off, every round at r = r_init."""
     return _centroidkv("centroidkv-fixed-r", delta_r=0.0)
+
+
+@register_preset("centroidkv-safe")
+def centroidkv_safe() -> PipelineConfig:
+    """CentroidKV with the sentence guard (see semanticache-safe)."""
+    return _centroidkv("centroidkv-safe").replace(guards=(sentence_guard(),), query_window=SAFE_QUERY_WINDOW)

@@ -7,6 +7,15 @@ from . import register_preset
 SEMANTICACHE_SINKS = 4
 SEMANTICACHE_RECENT = 32
 
+# The "-safe" variants keep whole sentences exact, chosen once per sequence for every head and
+# layer: those the question attends to most (when it is in the prompt) and those carrying digits
+# (numbers, dates, ids), within 40% of the budget; everything else is merged as the method does.
+SAFE_QUERY_WINDOW = 32
+
+
+def sentence_guard(share: float = 0.4) -> StrategySpec:
+    return StrategySpec("sentences", {"signals": ["query", "literal"], "share": share})
+
 
 @register_preset("semanticache")
 def semanticache() -> PipelineConfig:
@@ -31,3 +40,12 @@ def semanticache_fixed64() -> PipelineConfig:
 def semanticache_global() -> PipelineConfig:
     """Ablation: no chunking, GSC over the whole cache of a head."""
     return semanticache().replace(name="semanticache-global", chunker=StrategySpec("global"))
+
+
+@register_preset("semanticache-safe")
+def semanticache_safe() -> PipelineConfig:
+    """SemantiCache (GSC, mean merge, proportional attention) with the sentence guard, on fixed
+    64-token chunks: delimiter anchors alone are 14-16% of English tokens and floor the keep
+    ratio at 0.27-0.31, so a quarter of the cache is out of reach with them."""
+    return semanticache().replace(name="semanticache-safe", chunker=StrategySpec("fixed", {"size": 64}),
+                                  guards=(sentence_guard(),), query_window=SAFE_QUERY_WINDOW)

@@ -2,4 +2,5 @@
 
 from . import chunkers, gsc, mergers  # noqa: F401
 from . import csm  # noqa: F401
+from . import guards  # noqa: F401
 from . import scorers, eviction, cam, d2o  # noqa: F401  (baselines)
