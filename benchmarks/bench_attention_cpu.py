@@ -15,39 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from kvcompress import flex
+from kvcompress.bench.machine import describe_machine, load_average
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128)}
 SLOTS = (2048, 8192, 32768)
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        cc = subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    except (OSError, IndexError):
-        cc = None
-    return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "python": platform.python_version(), "compiler": cc,
-        "platform": platform.platform(), "load_average_before": os.getloadavg(),
-    }
 
 
 def timed(fn, reps: int) -> dict:
@@ -126,7 +104,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     slots = SLOTS[:1] if args.quick else SLOTS
     reps = args.reps or (5 if args.quick else 15)
-    info = machine()
+    info = describe_machine()
     generation = generation_compiles("smollm2-135m", prompt=1000, steps=1000)
     print(json.dumps(generation), flush=True)
     cases = []
@@ -137,7 +115,7 @@ def main() -> None:
             print(f"{name:13s} N={n:6d} flex {c['flex']['min_ms']:9.3f} ms  sdpa {c['sdpa']['min_ms']:9.3f} ms"
                   f"  (min of {reps}; medians {c['flex']['median_ms']:.3f} / {c['sdpa']['median_ms']:.3f})",
                   flush=True)
-    info["load_average_after"] = os.getloadavg()
+    info["load_average_after"] = load_average()
     result = {"benchmark": "decode attention, L=1, batch 1, one layer", "machine": info,
               "generation_compiles": generation, "cases": cases,
               "flex_compiles_total": flex.compile_count()}

@@ -37,7 +37,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -47,26 +46,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kvcompress as kc
+from kvcompress.bench.machine import describe_machine, load_average
 from kvcompress.strategies.gsc import TAU_NO_MERGE, gsc_run
 from kvcompress.strategies.segments import build_segments
 
 RESULTS = Path(__file__).parent / "results"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ESSAYS = "/work/shared/data/paul_graham_essays"
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "load_average_at_start": os.getloadavg()}
 
 
 class Clock:
@@ -294,7 +280,7 @@ def main():
     ap.add_argument("--out", type=Path, default=RESULTS / "compression.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    info = machine()
+    info = describe_machine()
     print(f"machine: {info}", flush=True)
 
     tok, model = load_model()
@@ -358,7 +344,7 @@ def main():
             lp["vectorised_30_layers_cpu_s"] = vec[0]["cpu_s"]
             lp["speedup_cpu"] = lp["extrapolated_30_layers_cpu_s"] / vec[0]["cpu_s"]
 
-    info["load_average_at_end"] = os.getloadavg()
+    info["load_average_at_end"] = load_average()
     result = {
         "benchmark": "bench_compression", "machine": info, "command": " ".join(["python"] + sys.argv),
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32): 30 layers, 3 KV heads, head dim 64",

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,25 +33,12 @@ from pathlib import Path
 import torch
 
 import kvcompress as kc
+from kvcompress.bench.machine import describe_machine, load_average
 from kvcompress.decode import DecodeCompressor, append_tokens
 from kvcompress.strategies.csm import match_edges
 
 RESULTS = Path(__file__).parent / "results"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor() or "unknown"
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "load_average_at_start": os.getloadavg()}
 
 
 class Clock:
@@ -284,13 +270,13 @@ def main():
     if args.outliers_only:
         calibrate_smollm2(args.outlier_tokens, args.out.parent / "csm_outliers_smollm2.json")
         return
-    result = {"benchmark": "bench_csm", "machine": machine(), "command": " ".join(["python"] + sys.argv)}
+    result = {"benchmark": "bench_csm", "machine": describe_machine(), "command": " ".join(["python"] + sys.argv)}
     print("scaling (one layer, 3 kv heads, dim 64, keep 0.25, chunk 256):", flush=True)
     result["scaling"] = scaling(args.sizes)
     if not args.skip_model:
         print("SmolLM2-135M:", flush=True)
         result["smollm2"] = model_part(args.context, args.decode_tokens, args.decode_steps, args.g)
-    result["machine"]["load_average_at_end"] = os.getloadavg()
+    result["machine"]["load_average_at_end"] = load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -150,6 +150,17 @@ def summary_lines(results: dict) -> list[str]:
     return lines
 
 
+def _own_argv(args) -> list[str]:
+    """This command's arguments: ``main``'s argv, else sys.argv without the ``bench`` subcommand
+    word that ``kvcompress bench`` puts first."""
+    argv = getattr(args, "_argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv[:1] == ["bench"]:
+            argv = argv[1:]
+    return list(argv)
+
+
 def run(args) -> int:
     import os
 
@@ -158,7 +169,7 @@ def run(args) -> int:
 
     from .bench import run_bench
 
-    command = "kvcompress bench " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", sys.argv[1:]))
+    command = "kvcompress bench " + " ".join(shlex.quote(a) for a in _own_argv(args))
     if args.merge:
         from .bench.runner import merge_results
 

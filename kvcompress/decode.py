@@ -31,6 +31,17 @@ Cost. Each method declares a scope (the clusterer's ``decode_scope`` attribute, 
 A state that was compressed at prefill by a plain ``Pipeline`` has no frontier; the first
 decode-time compression then treats the whole cache as the tail (once). Use
 ``DecodeCompressor.compress`` for the prefill too to avoid that.
+
+Floor memo. A layer that cannot reach its target (SemantiCache at a low keep-ratio) sits above
+target + g, so ``should_compress`` needs the floor at every step: protection plus the chunker over
+the whole cache. For the built-in chunkers (delimiter, fixed, global) with sinks / recent window /
+full heads as the only protection, appending tokens never lowers the floor (the new slot is
+protected or opens or joins the last chunk; the slot leaving the recent window is an anchor or
+joins or opens the last chunk). So the floor computed for a state stays a lower bound for every
+state that extends it by appends only, and a step whose slots stay within max(target, that floor)
++ g is answered without the pass. The memo (per layer) checks "extends by appends only" exactly:
+same positions, valid mask, token ids, row starts and vocabulary on the old slots, raw tokens
+after them. Decisions and results are identical to recomputing the floor every step.
 """
 
 from __future__ import annotations
@@ -41,9 +52,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import pipeline as _pipeline
 from .pipeline import Pipeline
 from .registry import register_guard
-from .strategies.chunkers import DelimiterChunker, delimiter_mask
+from .strategies.chunkers import DelimiterChunker, FixedSizeChunker, GlobalChunker, delimiter_mask
 from .types import CompressionReport, KVState
 from .validation import check_choice, require
 
@@ -69,6 +81,58 @@ class DecodeWindowGuard:
         lo, hi = (w[:, None, None] for w in window)  # [B, 1, 1]
         pos = state.positions
         return state.valid & ((pos < lo) | (pos >= hi))
+
+
+# chunkers whose floor never drops when raw tokens are appended (see "Floor memo" above)
+_APPEND_MONOTONE_CHUNKERS = (DelimiterChunker, FixedSizeChunker, GlobalChunker)
+# states remembered per layer: caches that share one DecodeCompressor (clones of a cache, one per
+# attention backend) each find their own
+_MEMO_PER_LAYER = 4
+
+
+@dataclass(frozen=True)
+class _FloorEntry:
+    """The floor of one state and what it was computed from (clones, so later writes cannot alter it)."""
+
+    num_tokens: int
+    positions: Tensor  # [B, H, N]
+    valid: Tensor  # [B, H, N] bool
+    token_ids: Tensor | None  # [B, T]
+    seq_start: Tensor | None  # [B]
+    vocab: object
+    floor: Tensor  # [B, H] long
+
+    @classmethod
+    def of(cls, state: KVState, valid: Tensor, floor: Tensor) -> "_FloorEntry":
+        ids = state.token_ids
+        return cls(state.num_tokens, state.positions.clone(), valid.clone(),
+                   None if ids is None else ids[:, : state.num_tokens].clone(),
+                   None if state.seq_start is None else state.seq_start.clone(), state.vocab, floor)
+
+    def lower_bound(self, state: KVState, valid: Tensor) -> Tensor | None:
+        """[B, H] long: a floor no higher than ``state``'s when ``state`` is this entry's state
+        plus appended raw tokens, else None."""
+        n = self.positions.shape[-1]
+        added = state.num_tokens - self.num_tokens
+        if (added < 0 or state.num_slots - n != added or state.vocab is not self.vocab
+                or tuple(state.positions.shape[:2]) != tuple(self.positions.shape[:2])
+                or (state.seq_start is None) != (self.seq_start is None)
+                or (state.token_ids is None) != (self.token_ids is None)):
+            return None
+        pos = state.positions
+        if not (torch.equal(pos[..., :n], self.positions) and torch.equal(valid[..., :n], self.valid)):
+            return None
+        if added:
+            new = torch.arange(self.num_tokens, state.num_tokens, device=pos.device)  # [added]
+            if not (torch.equal(pos[..., n:], new.expand_as(pos[..., n:])) and bool(valid[..., n:].all())):
+                return None
+        if self.seq_start is not None and not torch.equal(state.seq_start, self.seq_start):
+            return None
+        if self.token_ids is not None:
+            ids = state.token_ids
+            if ids.shape[1] < self.num_tokens or not torch.equal(ids[:, : self.num_tokens], self.token_ids):
+                return None
+        return self.floor
 
 
 class _BudgetedPipeline(Pipeline):
@@ -99,6 +163,13 @@ class DecodeCompressor:
         check_choice("scope", scope, SCOPES)
         self.pipeline = pipeline
         self.scope = scope
+        # layer_idx -> [_FloorEntry], most recent first; None where appends might lower the floor
+        # (guards, overridden protection, clusterers with their own min_slots, other chunkers)
+        memo_ok = (type(pipeline.chunker) in _APPEND_MONOTONE_CHUNKERS and not pipeline.guards
+                   and getattr(pipeline.clusterer, "min_slots", None) is None
+                   and type(pipeline).protection is Pipeline.protection
+                   and type(self).floor is DecodeCompressor.floor)
+        self._floors: dict | None = {} if memo_ok else None
         self._full = _BudgetedPipeline(cfg)
         if scope == "tail":
             guards = tuple(cfg.guards) + ({"name": "decode-window"},)
@@ -140,11 +211,38 @@ class DecodeCompressor:
             lower = max(1, math.floor((state.num_tokens - padding) * cfg.keep_ratio + 1e-9))
         if state.num_slots <= lower + self.g:
             return False  # called every step: decide from Python ints when the tensor is small enough
-        slots = state.valid.sum(-1)  # [B, H]
-        over = slots > self.pipeline.target_slots(state, layer_idx) + self.g
-        if not bool(over.any()):
+        valid = state.valid
+        slots = valid.sum(-1)  # [B, H]
+        entries = self._memo_entries(state, layer_idx)
+        known = None  # [B, H]: a floor remembered for a state this one extends by appends
+        for i, entry in enumerate(entries or ()):
+            known = entry.lower_bound(state, valid)
+            if known is not None:
+                entries.insert(0, entries.pop(i))
+                break
+        if known is not None and bool((slots <= known + self.g).all()):
+            return False  # the floor can only have grown since, and the budget is >= the floor
+        target = self.pipeline.target_slots(state, layer_idx)
+        if not bool((slots > target + self.g).any()):
             return False  # cheap path: the floor can only raise the budget
-        return bool((slots > self.budget(state, layer_idx) + self.g).any())
+        if known is not None and not bool((slots > torch.maximum(target, known) + self.g).any()):
+            return False
+        floor = self.floor(state, layer_idx)  # the whole-cache pass
+        if entries is not None:
+            del entries[: int(known is not None)]  # superseded by this state's floor
+            entries.insert(0, _FloorEntry.of(state, valid, floor))
+            del entries[_MEMO_PER_LAYER:]
+        return bool((slots > torch.maximum(target, floor) + self.g).any())
+
+    def _memo_entries(self, state: KVState, layer_idx: int | None) -> list | None:
+        """This layer's remembered floors, or None when the state carries protection the memo
+        cannot follow (user-protected slots, slots marked by persistent guards)."""
+        if self._floors is None or state.protected is not None:
+            return None
+        mark = getattr(_pipeline, "GUARD_MARK", None)
+        if mark is not None and state.extras.get(mark) is not None:
+            return None
+        return self._floors.setdefault(layer_idx, [])
 
     # ------------------------------------------------------------------ compression
     def compress(self, state: KVState, layer_idx: int | None = None) -> tuple[KVState, CompressionReport]:

@@ -258,6 +258,13 @@ def _check_flex_head_dims(query: Tensor, values: Tensor) -> None:
             "results for head dims 8 and 16 in torch 2.13); use sdpa_proportional_attention")
 
 
+def _validate(backend: str, query: Tensor, keys: Tensor, values: Tensor, log_sizes: Tensor, causal: bool) -> None:
+    """Every input check of ``backend``'s proportional attention (one place for all entry points)."""
+    _check_inputs(query, keys, values, log_sizes, causal)
+    if backend == "flex":
+        _check_flex_head_dims(query, values)
+
+
 def _mark_dynamic(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> None:
     # The kernels compile with dynamic=False, so these marks are the only symbolic dims: the
     # first graph already covers every later N (and every L > 1).
@@ -296,8 +303,7 @@ def flex_proportional_attention(
     or always slices of one fixed buffer; switching between the two adds a graph.
     On CPU, D and D_v must be >= CPU_MIN_HEAD_DIM.
     """
-    _check_inputs(query, keys, values, log_sizes, causal)
-    _check_flex_head_dims(query, values)
+    _validate("flex", query, keys, values, log_sizes, causal)
     B, Hq, L, _ = query.shape
     Hkv, N = keys.shape[1], keys.shape[2]
     bias = log_sizes.float()  # [B, H_kv, N]
@@ -325,7 +331,7 @@ def sdpa_proportional_attention(
     An additive float32 bias [B, H_kv, G * L, N]; the G query heads of a KV head are stacked as
     query rows, so keys are not repeated. Computed in float32, returned in the query's dtype.
     """
-    _check_inputs(query, keys, values, log_sizes, causal)
+    _validate("sdpa", query, keys, values, log_sizes, causal)
     return proportional_attention(query, keys, values, log_sizes, causal=causal, scale=scale,
                                   use_sizes=use_sizes)
 
@@ -453,7 +459,7 @@ def choose_backend(
     if decision is None:
         if values is None or log_sizes is None:
             return "sdpa"
-        _check_inputs(query, keys, values, log_sizes, kwargs.get("causal", True))
+        _validate("sdpa", query, keys, values, log_sizes, kwargs.get("causal", True))
         decision = _DECISIONS[key] = _probe(query, keys, values, log_sizes, kwargs)
     return decision.backend
 

@@ -237,3 +237,22 @@ def test_merged_results_keep_every_run_and_reevaluate_floors(tiny_results):
     assert {i["length"] for i in kv["items"]} == {64, 128}
     text = markdown(merged)
     assert "## Floors" in text and "| streamingllm 0.5 |" in text and "## tiny: TPOT" in text
+
+
+def test_recorded_command_is_the_one_typed(tiny_results, tmp_path, monkeypatch):
+    """Through ``kvcompress bench`` (sys.argv[1] is the subcommand) the command is recorded once."""
+    from kvcompress import cli
+
+    _, out = tiny_results
+    merged = tmp_path / "merged.json"
+    argv = ["bench", "--merge", str(out), "--out", str(merged), "--no-plots"]
+    monkeypatch.setattr("sys.argv", ["kvcompress", *argv])
+    assert cli.main(argv) == 0
+    assert json.loads(merged.read_text())["merged_by"] == "kvcompress " + " ".join(argv)
+
+
+def test_kv_floor_reports_the_keep_the_method_reached():
+    runs = [_run("smollm2", 2048, "a", 0.2, "sdpa", tpot=1.0, held=140, full=500)]
+    runs[0].update(keep_mean=0.279, keep_max=0.28)
+    item = next(f for f in evaluate(runs, [], {}) if f["name"] == "kv_bytes")["items"][0]
+    assert item["pass"] is False and item["keep_achieved_mean"] == 0.279 and item["held_over_full"] == 0.28

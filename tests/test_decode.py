@@ -217,3 +217,78 @@ def test_unreachable_budget_is_raised_to_the_floor():
     # the floor (all anchors) lifts the budget to what is reachable: nothing to do, nothing raised
     out, report = comp.compress(state)
     assert report.budget_met and out is state and torch.equal(state.keys, keys)
+
+
+def lockstep(name, keep, g, recent, seed, steps, delim_rate=0.3):
+    """Decode with and without the floor memo from one prompt, same tokens: every decision and
+    every state must match. Returns (floor passes with the memo, without, compressions)."""
+    gen = torch.Generator().manual_seed(seed)
+    pipe = kc.Pipeline(name, keep_ratio=keep, recompress_every=g, recent=recent)
+    fast, slow = DecodeCompressor(pipe), DecodeCompressor(pipe)
+    assert fast._floors is not None
+    slow._floors = None  # the reference: the floor recomputed at every call
+    calls = {"fast": 0, "slow": 0}
+
+    def counting(comp, tag):
+        inner = comp.floor
+
+        def floor(state, layer_idx=None):
+            calls[tag] += 1
+            return inner(state, layer_idx)
+        comp.floor = floor
+
+    counting(fast, "fast")
+    counting(slow, "slow")
+    B, H, D = 2, 2, 8
+    ids = toy_tokens(gen, B, 160, delim_rate)
+    prompt = kc.KVState.from_raw(walk_keys(gen, B, H, 160, D), torch.randn(B, H, 160, D, generator=gen),
+                                 token_ids=ids, vocab=VOCAB)
+    a, _ = fast.compress(prompt, layer_idx=0)
+    b, _ = slow.compress(prompt, layer_idx=0)
+    compressions = 0
+    for _ in range(steps):
+        k = walk_keys(gen, B, H, 1, D, a.keys[:, :, -1:])
+        v = torch.randn(B, H, 1, D, generator=gen)
+        t = toy_tokens(gen, B, 1, delim_rate)
+        a, b = append_tokens(a, k, v, t), append_tokens(b, k, v, t)
+        decide = fast.should_compress(a, layer_idx=0)
+        assert decide == slow.should_compress(b, layer_idx=0)
+        if decide:
+            compressions += 1
+            a, ra = fast.compress(a, layer_idx=0)
+            b, rb = slow.compress(b, layer_idx=0)
+            assert torch.equal(ra.target, rb.target)
+        for x, y in ((a.keys, b.keys), (a.values, b.values), (a.log_sizes, b.log_sizes), (a.positions, b.positions)):
+            assert torch.equal(x, y)
+    return calls["fast"], calls["slow"], compressions
+
+
+def test_floor_memo_gives_identical_decisions_and_states_with_fewer_floor_passes():
+    # keep 0.1 with 30 % delimiters is unreachable: the layer stays above target + g, where the
+    # floor decides every step
+    fast, slow, compressions = lockstep("semanticache", keep=0.1, g=8, recent=8, seed=11, steps=160)
+    assert compressions >= 3
+    assert slow >= 100  # the reference pays a whole-cache pass at almost every step
+    assert fast * 2 <= slow
+
+
+@settings(max_examples=6, deadline=None)
+@given(keep=st.floats(0.05, 0.6), g=st.integers(1, 12), recent=st.integers(0, 6), seed=st.integers(0, 50),
+       name=st.sampled_from(["semanticache", "semanticache-fixed64", "semanticache-global"]))
+def test_floor_memo_is_exact_for_every_monotone_chunker(keep, g, recent, seed, name):
+    lockstep(name, keep, g, recent, seed, steps=60)
+
+
+def test_floor_memo_rejects_a_state_that_does_not_extend_the_remembered_one():
+    pipe = kc.Pipeline("semanticache", keep_ratio=0.05, recompress_every=2, sinks=0, recent=0)
+    comp = DecodeCompressor(pipe)
+    words = torch.full((1, 40), 10, dtype=torch.long)  # one chunk: the floor is 1
+    delims = torch.zeros(1, 40, dtype=torch.long)  # every token an anchor: the floor is 40
+    keys, values = torch.randn(1, 1, 40, 8), torch.randn(1, 1, 40, 8)
+    anchors = kc.KVState.from_raw(keys, values, token_ids=delims, vocab=VOCAB)
+    assert not comp.should_compress(anchors)  # 40 slots <= max(target 2, floor 40) + 2; floor remembered
+    words_only = kc.KVState.from_raw(keys, values, token_ids=words, vocab=VOCAB)
+    # same shapes, positions and slots, other tokens: the remembered floor (40) must not be used
+    assert comp.should_compress(words_only)
+    assert DecodeCompressor(pipe)._floors is not None
+    assert DecodeCompressor(kc.Pipeline("centroidkv"))._floors is None  # CSM has its own min_slots

@@ -101,3 +101,48 @@ def test_half_precision_models_keep_sizes_in_float32(dtype):
         out = model.generate(input_ids=prompt_ids(63, 30), cache=make_cache(model, **MERGING), max_new_tokens=5,
                              do_sample=False, pad_token_id=0)
     assert out.shape == (1, 35)
+
+
+def _received_by_loops(query, keys, log_sizes, scale, causal, query_valid):
+    """attention_received by plain loops: one softmax per (row, query head, query)."""
+    B, Hq, L, _ = query.shape
+    Hkv, N = keys.shape[1], keys.shape[2]
+    out = torch.zeros(B, Hkv, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            kv = h // (Hq // Hkv)
+            for i in range(L):
+                if query_valid is not None and not bool(query_valid[b, i]):
+                    continue
+                seen = N - L + i + 1 if causal else N
+                if seen <= 0:
+                    continue
+                logits = [float(query[b, h, i].double() @ keys[b, kv, j].double()) * scale
+                          + float(log_sizes[b, kv, j]) for j in range(seen)]
+                top = max(logits)
+                if top == float("-inf"):
+                    continue
+                weights = [torch.exp(torch.tensor(x - top, dtype=torch.float64)) for x in logits]
+                total = sum(weights)
+                for j in range(seen):
+                    out[b, kv, j] += weights[j] / total
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("L,N,max_elements", [(12, 12, 40), (12, 12, 1 << 20), (3, 17, 30), (9, 20, 1)])
+def test_attention_received_matches_loops_in_every_query_chunk(causal, L, N, max_elements):
+    from kvcompress.hf.attention import attention_received
+
+    gen = torch.Generator().manual_seed(L * 100 + N)
+    B, Hq, Hkv, D = 2, 4, 2, 8
+    query = torch.randn(B, Hq, L, D, generator=gen)
+    keys = torch.randn(B, Hkv, N, D, generator=gen)
+    log_sizes = torch.rand(B, Hkv, N, generator=gen).log1p()
+    log_sizes[0, 1, 2] = float("-inf")  # a padding slot receives nothing
+    query_valid = torch.rand(B, L, generator=gen) > 0.25
+    got = attention_received(query, keys, log_sizes, scale=0.3, causal=causal, use_sizes=True,
+                             query_valid=query_valid, max_elements=max_elements)
+    want = _received_by_loops(query, keys, log_sizes, 0.3, causal, query_valid)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert float(got[0, 1, 2]) == 0.0

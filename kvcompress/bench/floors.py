@@ -62,13 +62,16 @@ def kv_floor(runs) -> dict:
         items.append({"model": r["model"], "length": r["length"], "preset": r["method"], "budget": r["budget"],
                       "held_over_budget": round(r["kv_bytes_held"] / (r["budget"] * r["kv_bytes_full"]), 4),
                       "allocated_over_budget": round(r["kv_bytes_allocated"] / (r["budget"] * r["kv_bytes_full"]), 4),
+                      "held_over_full": round(r["kv_bytes_held"] / r["kv_bytes_full"], 4),
+                      "keep_achieved_mean": r.get("keep_mean"), "keep_achieved_max": r.get("keep_max"),
                       "budget_met_by_method": r.get("budget_met"), "pass": r["kv_bytes_held"] <= limit})
     return {"name": "kv_bytes", "rule": f"held KV bytes <= (1 + {KV_SLACK}) x budget x full bytes (padding included)",
             "threshold": 1 + KV_SLACK, "measured_max": max((i["held_over_budget"] for i in items), default=None),
             "pass": _verdict(items), "items": items,
             "note": "held = keys + values + log-sizes of the slots in use (padding slots of shorter heads "
                     "included); allocated also counts spare capacity, positions and statistics (reported, "
-                    "not part of the floor)"}
+                    "not part of the floor); keep_achieved = slots / tokens the method reached (mean and "
+                    "max over layers and heads): above the budget where the method cannot go lower"}
 
 
 def attention_floor(runs) -> dict:

@@ -68,7 +68,9 @@ def floors_table(results: dict) -> str:
         if f["name"] == "kv_bytes":
             bad = [i for i in items if not i["pass"]]
             measured = f"max held/budget {f.get('measured_max')}; failing: " + (
-                ", ".join(f"{i['model']} {i['length']} {i['preset']} {i['budget']} ({i['held_over_budget']})"
+                ", ".join(f"{i['model']} {i['length']} {i['preset']} {i['budget']} ({i['held_over_budget']}"
+                          + (f", keep reached {i['keep_achieved_mean']:.3f}"
+                             if i.get("keep_achieved_mean") is not None else "") + ")"
                           for i in bad) if bad else "none")
         elif f["name"] == "compression_overhead_8k":
             measured = "; ".join(f"{i['preset']} {i['budget']}: {i['share']:.1%}" for i in items

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from collections import defaultdict
 from pathlib import Path
 
@@ -69,21 +68,10 @@ class CellStore:
 
 
 def machine_info() -> dict:
-    import torch
+    """The machine, described as every kvcompress benchmark describes it."""
+    from ..bench.machine import describe_machine
 
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+    return describe_machine()
 
 
 def _mean(xs):

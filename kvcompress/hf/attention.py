@@ -125,16 +125,21 @@ def attention_received(
     j = torch.arange(N, device=keys.device)
     for start in range(0, L, step):
         stop = min(L, start + step)
-        logits = torch.einsum("bhgld,bhnd->bhgln", q[:, :, :, start:stop].float(), k) * scale
-        logits = logits + bias[:, :, None, None, :]
+        # causal: slots past the chunk's last query are masked for all of its queries, so they
+        # are left out of the product (a long prefill's chunks then cost a triangle, not a square)
+        n = min(N, N - L + stop) if causal else N
+        if n <= 0:
+            continue  # every query of the chunk sees no slot: a fully masked row receives 0
+        logits = torch.einsum("bhgld,bhnd->bhgln", q[:, :, :, start:stop].float(), k[:, :, :n]) * scale
+        logits = logits + bias[:, :, None, None, :n]
         if causal:
             i = torch.arange(start, stop, device=keys.device)
-            future = j[None, :] > (N - L + i)[:, None]  # [l, N], bottom-right in slot space
+            future = j[None, :n] > (N - L + i)[:, None]  # [l, n], bottom-right in slot space
             logits = logits.masked_fill(future, float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a fully masked row gives 0
         if query_valid is not None:
             probs = probs * query_valid[:, None, None, start:stop, None].to(probs.dtype)
-        out += probs.sum(dim=(2, 3))
+        out[:, :, :n] += probs.sum(dim=(2, 3))
     return out
 
 

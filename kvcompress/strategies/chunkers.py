@@ -7,8 +7,6 @@ that are never clustered (protected slots, anchors, padding).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-
 import torch
 from torch import Tensor
 
@@ -57,10 +55,26 @@ class FixedSizeChunker:
         return torch.where(free, ids, -1)
 
 
-@lru_cache(maxsize=16)
-def _delimiter_table(vocab: tuple[str, ...], delimiters: tuple[str, ...]) -> Tensor:
-    """[V] bool: token text contains any delimiter character."""
-    return torch.tensor([any(d in text for d in delimiters) for text in vocab], dtype=torch.bool)
+_TABLES: dict = {}  # (id(vocab), delimiters) -> (vocab, [V] bool table)
+_MAX_TABLES = 16
+
+
+def _delimiter_table(vocab, delimiters: tuple[str, ...]) -> Tensor:
+    """[V] bool: token text contains any delimiter character.
+
+    Keyed by the vocabulary's identity: hashing a 49k-string tuple costs milliseconds, and this is
+    asked at every decode step. Each entry keeps a reference to its vocabulary, so the id cannot be
+    reused by another object while the entry lives.
+    """
+    key = (id(vocab), delimiters)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is vocab:
+        return hit[1]
+    table = torch.tensor([any(d in text for d in delimiters) for text in vocab], dtype=torch.bool)
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.pop(next(iter(_TABLES)))  # oldest first
+    _TABLES[key] = (vocab, table)
+    return table
 
 
 def delimiter_mask(state: KVState, delimiters: tuple[str, ...], delimiter_ids=None) -> Tensor:
@@ -78,7 +92,7 @@ def delimiter_mask(state: KVState, delimiters: tuple[str, ...], delimiter_ids=No
         return torch.isin(ids, table_ids) & (ids >= 0)
     require(state.vocab is not None, "vocab", None,
             "the decoded text of every token id in the state (or delimiter_ids in the chunker's params)")
-    table = _delimiter_table(tuple(state.vocab), tuple(delimiters)).to(ids.device)
+    table = _delimiter_table(state.vocab, tuple(delimiters)).to(ids.device)
     inside = (ids >= 0) & (ids < table.numel())
     return table[ids.clamp(min=0, max=table.numel() - 1)] & inside
 

@@ -72,13 +72,18 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
     # each member moves its representative by w / sum(w) of their difference
     member_share = (w_mem / sum_w.index_select(0, mem_out))[:, None]  # [Q, 1]
 
+    every_out_has_rep = rep_out.numel() == B * H * M  # then rep_out is 0..R*M-1 in order
+
     def mean_of(x: Tensor) -> Tensor:
         flat = _flat_rows(x)
-        out = flat.new_zeros(B * H * M, flat.shape[1]).index_copy_(0, rep_out, flat.index_select(0, rep_src))
+        reps = flat.index_select(0, rep_src)  # [K, E]
+        # without padding outputs the gather is the output already (no zero fill + scatter pass)
+        out = reps if every_out_has_rep else flat.new_zeros(B * H * M, flat.shape[1]).index_copy_(0, rep_out, reps)
         if mem_src.numel() == 0:
             return out.view(B, H, M, *x.shape[3:])
         acc = out.to(torch.promote_types(x.dtype, torch.float32))  # the same tensor for float32
-        delta = flat.index_select(0, mem_src).to(acc.dtype) - acc.index_select(0, mem_out)
+        delta = flat.index_select(0, mem_src).to(acc.dtype)  # [Q, E], a fresh tensor: updated in place
+        delta.sub_(acc.index_select(0, mem_out))  # no third [Q, E] buffer (its page faults cost as much as the math)
         acc.index_add_(0, mem_out, delta.mul_(member_share))
         return acc.to(x.dtype).view(B, H, M, *x.shape[3:])
 
