@@ -46,26 +46,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kvcompress as kc
-from kvcompress.bench.machine import describe_machine, load_average
+from kvcompress.bench.machine import Clock, describe_machine, load_average
 from kvcompress.strategies.gsc import TAU_NO_MERGE, gsc_run
 from kvcompress.strategies.segments import build_segments
 
 RESULTS = Path(__file__).parent / "results"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ESSAYS = "/work/shared/data/paul_graham_essays"
-
-
-class Clock:
-    """Wall time and this process's CPU time. On a shared machine the CPU time is the steadier
-    figure: other processes stretch wall times unevenly."""
-
-    def __enter__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = time.process_time() - self.cpu
 
 
 # ---------------------------------------------------------------------------------- model & data

@@ -33,25 +33,12 @@ from pathlib import Path
 import torch
 
 import kvcompress as kc
-from kvcompress.bench.machine import describe_machine, load_average
+from kvcompress.bench.machine import Clock, describe_machine, load_average
 from kvcompress.decode import DecodeCompressor, append_tokens
 from kvcompress.strategies.csm import match_edges
 
 RESULTS = Path(__file__).parent / "results"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class Clock:
-    """Wall time and this process's CPU time. On a shared machine the CPU time is the steadier
-    figure: other processes stretch the wall time of both sides of every ratio, unevenly."""
-
-    def __enter__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = time.process_time() - self.cpu
 
 
 def timed(fn, repeat: int = 3) -> tuple[float, float]:

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .config import parse_overrides as parse_config_overrides
+
 COMMAND = "demo"
 HELP = "compress a long text's KV cache, answer a question, report memory and times"
 
@@ -67,18 +69,8 @@ def _budget(text: str):
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """["recent=64", "clusterer.tau=0.9", "chunker=fixed"] -> {"recent": 64, ...} (JSON values)."""
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r} is invalid: expected KEY=VALUE")
-        key, raw = item.split("=", 1)
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out[key.strip()] = value
-    return out
+    """--set KEY=VALUE pairs -> Pipeline overrides (JSON values)."""
+    return parse_config_overrides(items, "--set")
 
 
 def default_text() -> str:

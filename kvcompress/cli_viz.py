@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from .config import parse_overrides as parse_config_overrides
+
 DESCRIPTION = ("Prefill a text with a model, compress one layer with a pipeline, and render the text with its "
                "chunks, clusters (for one KV head), anchors and kept tokens as an HTML page and/or a PNG.")
 
@@ -65,15 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_overrides(items: list[str], keep_ratio: float | None, max_slots: int | None) -> dict:
     """--set FIELD=JSON pairs and the budget flags -> Pipeline overrides."""
-    overrides = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set={item!r} is invalid: expected FIELD=VALUE, e.g. recent=16 or clusterer.tau=0.8")
-        key, raw = item.split("=", 1)
-        try:
-            overrides[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            overrides[key.strip()] = raw
+    overrides = parse_config_overrides(items, "--set", form="FIELD=VALUE")
     if keep_ratio is not None and max_slots is not None:
         raise ValueError(f"--keep-ratio={keep_ratio} and --max-slots={max_slots} are invalid together: "
                          "expected at most one budget")

@@ -194,6 +194,21 @@ class PipelineConfig:
         return dataclasses.replace(self, **flat)
 
 
+def parse_overrides(items, flag: str = "--set", form: str = "KEY=VALUE") -> dict:
+    """["recent=64", "clusterer.tau=0.9", "chunker=fixed"] -> {"recent": 64, ...}: values parsed as
+    JSON, else kept as strings. The command-line form of ``as_config``'s overrides."""
+    out = {}
+    for item in items or ():
+        require(isinstance(item, str) and "=" in item, flag, item,
+                f"{form}, e.g. recent=16 or clusterer.tau=0.8 (a config field or stage.param)")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            out[key.strip()] = raw.strip()
+    return out
+
+
 def as_config(config: "PipelineConfig | Mapping | str | Path", **overrides) -> PipelineConfig:
     """A preset name, a dict, a JSON file path or a config object, with overrides applied."""
     from .presets import get_preset

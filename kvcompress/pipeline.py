@@ -58,9 +58,13 @@ class Pipeline:
         states = list(states)
         require(len(states) > 0 and all(isinstance(s, KVState) for s in states), "states",
                 type(states).__name__, "a non-empty list of KVState, one per layer")
+        first = states[0]
+        for s in states[1:]:
+            require(s.batch_size == first.batch_size and s.num_tokens == first.num_tokens, "states",
+                    f"layers of {first.batch_size}x{first.num_tokens} and {s.batch_size}x{s.num_tokens} tokens",
+                    "one state per layer of the same sequence (same batch size and tokens seen)")
         if not self._cross:
             return
-        first = states[0]
         budget = self.target_slots(first).amin(-1)  # [B]
         T = first.num_tokens
         pos = torch.arange(T, device=first.keys.device)[None, :]  # [1, T]
@@ -122,6 +126,8 @@ class Pipeline:
         if marked is not None:
             protected |= (marked > 0) & valid
         for guard in self.guards:
+            if marked is not None and guard in self._persistent:
+                continue  # its slots are in the marks already
             mask = guard(state)
             require(tuple(mask.shape) == tuple(valid.shape) and mask.dtype == torch.bool,
                     "guard output", (tuple(mask.shape), mask.dtype), f"a bool mask of shape {tuple(valid.shape)}")

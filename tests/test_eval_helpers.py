@@ -64,3 +64,9 @@ class ForwardCounter:
 
     def close(self):
         self.handle.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

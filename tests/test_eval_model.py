@@ -137,12 +137,9 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
 
     methods = parse_methods("full,semanticache,snapkv", None, SMALL)
     grid = Grid(methods, (0.5, 0.25), ("agnostic", "aware"))
-    counter = ForwardCounter(model)
-    try:
+    with ForwardCounter(model) as counter:
         store = CellStore(tmp_path, {"task": "niah"})
         records = run_qa(model, tok, samples, grid, store, backend="sdpa", progress=False, max_new_tokens=3)
-    finally:
-        counter.close()
     n_cells = 2 * (1 + 2 * 2)
     assert len(records) == len(samples) * n_cells
     heads = [build_prompt(tok, s.context, s.question).head.shape[1] for s in samples]
@@ -166,32 +163,23 @@ def test_grid_prefills_once_per_sample_resumes_and_writes_outputs(model, tok, sa
     assert sc and all(not r["budget_met"] and r["keep_max"] > 0.25 for r in sc)
 
     # a rerun computes nothing and returns the same records
-    counter = ForwardCounter(model)
-    try:
+    with ForwardCounter(model) as counter:
         again = run_qa(model, tok, samples, grid, CellStore(tmp_path, {"task": "niah"}), backend="sdpa",
                        progress=False, max_new_tokens=3)
-    finally:
-        counter.close()
     assert counter.lengths == [] and again == records
     # a sample whose prompt changed under the same id (a generator change) runs again
     changed = [dataclasses.replace(samples[0], context=samples[0].context.replace("cat", "dog"))] + samples[1:]
-    counter = ForwardCounter(model)
-    try:
+    with ForwardCounter(model) as counter:
         redone = run_qa(model, tok, changed, grid, CellStore(tmp_path, {"task": "niah"}), backend="sdpa",
                         progress=False, max_new_tokens=3)
-    finally:
-        counter.close()
     assert sum(n >= min(heads) for n in counter.lengths) == 1
     assert redone[n_cells:] == records[n_cells:] and redone[0]["prompt_sha"] != records[0]["prompt_sha"]
     samples = changed
     # a bigger grid runs only the new cells
     bigger = Grid(methods, (0.5, 0.25, 0.75), ("agnostic", "aware"))
-    counter = ForwardCounter(model)
-    try:
+    with ForwardCounter(model) as counter:
         more = run_qa(model, tok, samples, bigger, CellStore(tmp_path, {"task": "niah"}), backend="sdpa",
                       progress=False, max_new_tokens=3)
-    finally:
-        counter.close()
     assert len(more) == len(samples) * 2 * (1 + 2 * 3)
     assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == len(more) + n_cells  # + the redone ones
 

@@ -222,3 +222,17 @@ def test_literal_signal_counts_digit_tokens():
     ids = torch.tensor([[11, 11, 10, 0, 10, 11, 12]])
     sid = sentence_ids(ids, VOCAB)
     assert literal_signal(ids, VOCAB, sid, 3).tolist() == [[2.0, 0.0, 1.0]]
+
+
+def test_prepare_and_selection_reject_mismatched_inputs_before_deciding():
+    a, b = _text_state(8, T=100), _text_state(9, T=120)
+    pipe = kc.Pipeline("semanticache-safe", keep_ratio=0.5)
+    with pytest.raises(ValueError, match="states"):
+        pipe.prepare([a, b])  # layers of different sequences
+    assert pipe.guards[0].chosen_tokens() is None  # nothing was decided
+    with pytest.raises(ValueError, match="states"):
+        pipe.prepare([])
+    with pytest.raises(ValueError, match="lengths"):
+        select_sentences(torch.ones(1, 3), torch.ones(1, 4), torch.tensor([5]))
+    with pytest.raises(ValueError, match="allowance"):
+        select_sentences(torch.ones(2, 3), torch.ones(2, 3), torch.tensor([5]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -82,3 +83,22 @@ def describe_machine() -> dict:
         "platform": platform.platform(),
         "load_average": load_average(),
     }
+
+
+class Clock:
+    """Wall time and this process's CPU time of a ``with`` block. On a shared machine the CPU time
+    is the steadier figure: other processes stretch wall times unevenly.
+
+        with Clock() as c:
+            work()
+        c.wall, c.cpu  # seconds
+    """
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+

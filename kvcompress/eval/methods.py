@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..config import PipelineConfig, as_config
+from ..config import parse_overrides as parse_config_overrides
 from ..presets import list_presets
 from ..validation import check_range, require
 
@@ -38,22 +39,9 @@ ABLATIONS = {
 }
 
 
-def parse_value(raw: str):
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
 def parse_overrides(items) -> dict:
     """["key=value", ...] -> {key: parsed value}."""
-    out = {}
-    for item in items or ():
-        require(isinstance(item, str) and "=" in item, "override", item,
-                "KEY=VALUE, e.g. recent=16, clusterer.tau=0.8 or proportional_attention=false")
-        key, raw = item.split("=", 1)
-        out[key.strip()] = parse_value(raw.strip())
-    return out
+    return parse_config_overrides(items, "override")
 
 
 @dataclass(frozen=True)

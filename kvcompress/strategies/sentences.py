@@ -147,6 +147,10 @@ def select_sentences(scores: Tensor, lengths: Tensor, allowance: Tensor, eligibl
     A sentence too long for what is left is skipped and the next one is tried, so one long
     sentence cannot block the rest. Runs once per sequence over S sentences (not per token).
     """
+    require(scores.dim() == 2 and tuple(lengths.shape) == tuple(scores.shape), "lengths",
+            tuple(lengths.shape), f"a [B, S] tensor shaped like scores {tuple(scores.shape)}")
+    require(tuple(allowance.shape) == (scores.shape[0],), "allowance", tuple(allowance.shape),
+            f"a [B] tensor, B = {scores.shape[0]}")
     ok = (scores > 0) & (lengths > 0)
     if eligible is not None:
         ok &= eligible
