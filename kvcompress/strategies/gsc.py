@@ -37,7 +37,6 @@ TAU_NO_MERGE = 1.0001  # above any cosine (rounding included): nothing merges
 TAU_MERGE_ALL = -1.0001  # below any cosine: a seed absorbs its whole chunk
 _EXCLUDED = -3.0  # similarity entry that is not a later real member: below every threshold
 ADJ_LIMIT = 1 << 26  # thresholded-similarity booleans [rows, C, S, L] materialised at once
-TABLE_LIMIT = 1 << 27  # bytes of a bucket's threshold table (see BucketSimilarity.spared)
 
 _WORDS = ((8, torch.int8), (16, torch.int16), (32, torch.int32), (64, torch.int64))
 
@@ -101,7 +100,9 @@ class BucketSimilarity:
         self.words = _word_layout(L)
         self.dense = self._compute(0, L) if S * L * L <= dense_limit else None
         self.row_block = L if self.dense is not None else max(1, dense_limit // max(1, S * L))
-        self._table = None
+        self._paired = None  # [L/2, S, L] rows i and L-1-i in one (see _absorbed_dense)
+        self._bit = self._col = self._word_row = None
+        self._cols_for = -1
 
     def _compute(self, i0: int, i1: int) -> Tensor:
         sims = torch.matmul(self.keys[:, i0:i1], self.keys.transpose(1, 2))  # [S, b, L]
@@ -123,60 +124,63 @@ class BucketSimilarity:
         """Blocks (i0, words [b, S, C, W]): per seed row i = i0 + r, the bitset of the members
         that i does NOT absorb, for C thresholds tau [S, C].
 
-        With the dense cosines at hand, each row is sorted once: the members above a threshold
-        are then a prefix of the row sorted by decreasing cosine, whose bitset is read from a table
-        of prefix unions after a binary search: O(C S L log L) per call instead of O(C S L^2)."""
+        With the dense cosines at hand, each cosine is placed among its segment's thresholds once
+        (a binary search over C sorted values, not a comparison per threshold), its member's bit
+        is added to the word of that slot, and a suffix sum over the C + 1 slots gives the union
+        of the members above each threshold: O(S L^2 log C) per call, no sort of the cosines."""
         width, dtype, W = self.words
         L = self.mask.shape[1]
         S, C = tau.shape
-        if self.dense is not None and L * S * (L + 1) * W * 8 <= TABLE_LIMIT:
-            if self._table is None:
-                self._table = self._prefix_table()
-            neg_sorted, table = self._table  # [G, S, L], [K, G, S, L + 1, W]
-            K, G = table.shape[:2]
-            # members above tau: the first `above` of the sorted row
-            above = torch.searchsorted(neg_sorted, tau.neg()[None].expand(G, S, C).contiguous())  # [G, S, C]
-            rows = torch.arange(K * G * S, device=above.device).view(K, G, S, 1) * (L + 1)
-            words = table.view(-1, W).index_select(0, (rows + above).view(-1)).view(K, G, S, C, W)
-            if K == 2:  # paired rows: row i < L/2 is (0, i), row L-1-i is (1, i)
-                words = torch.cat([words[0], words[1].flip(0)])
-            return [(0, words.view(L, S, C, W).bitwise_not_())]  # absorbed -> spared
+        if self.dense is not None and L % 2 == 0:  # (buckets are powers of two, L >= 2)
+            return [(0, self._absorbed_dense(tau).bitwise_not_())]  # absorbed -> spared
         step = self.block(C * S * L)
         thr = tau[None, :, :, None]  # [1, S, C, 1]
         return [(i0, ~_pack(self.rows(i0, min(i0 + step, L))[:, :, None] > thr, width, dtype))
                 for i0 in range(0, L - 1, step)]
 
-    def _prefix_table(self) -> tuple[Tensor, Tensor]:
-        """Sorted rows [G, S, L] (negated cosines, ascending: cosines by decreasing value) and
-        the union of the first k members in that order [K, G, S, L + 1, W] for k = 0..L.
+    def _absorbed_dense(self, tau: Tensor) -> Tensor:
+        """[L, S, C, W] bitsets of the members each row absorbs (cosine > tau), from the dense cosines.
 
-        Seed row i only holds the L - 1 - i members after it, so rows i and L - 1 - i fit in one
-        row of L entries together (K = 2, G = L / 2, one sort of half the size); each keeps its
-        own union table, where the other row's entries add nothing. Bitsets of several words
-        (L > 64) and odd L are not paired (K = 1, G = L)."""
+        Seed row i only holds the L - 1 - i members after it, so rows i and L - 1 - i share one
+        row of L entries (row L-1-i's member j stored at k = L-1-j < i; every other entry is
+        _EXCLUDED in both, so the larger value is the right one): half the searches. A cosine
+        below or at every threshold lands in slot 0, which no threshold counts."""
         width, dtype, W = self.words
-        L, S, _ = self.dense.shape
-        weights = _bit_weights(width, dtype, self.dense.device)
-        if W > 1 or L % 2:
-            neg_sorted, order = torch.sort(self.dense.neg())
-            bits = torch.zeros(L, S, L + 1, W, dtype=dtype, device=order.device)  # entry 0: nobody
-            bits[:, :, 1:].scatter_(3, torch.div(order, width, rounding_mode="floor")[..., None],
-                                    weights[order % width][..., None])
-            return neg_sorted, bits.cumsum(2, dtype=dtype)[None]  # disjoint bits: the sum is the union
+        L = self.mask.shape[1]
+        S, C = tau.shape
+        device = tau.device
         P = L // 2
-        # row i's members k > i, and row L-1-i's members j > L-1-i stored at k = L-1-j < i;
-        # every other entry is _EXCLUDED in both, so the larger value is the right one
-        paired = torch.maximum(self.dense[:P], self.dense[P:].flip(0).flip(-1))  # [P, S, L]
-        neg_sorted, order = torch.sort(paired.neg())
-        k = torch.arange(L, device=order.device)
-        i = k[:P, None]
-        own = torch.stack([torch.where(k > i, weights[:L], 0),  # [2, P, L + 1]: entry k's bit per
-                           torch.where(k < i, weights[:L].flip(0), 0)])  # row, then a 0 for "nobody"
-        own = torch.cat([own, own.new_zeros(2, P, 1)], 2)
-        first = order.new_full((P, S, 1), L)  # the prefix of 0 entries reads the 0
-        order = torch.cat([first, order], 2)  # [P, S, L + 1]
-        bits = own[:, :, None, :].expand(2, P, S, L + 1).gather(3, order[None].expand(2, P, S, L + 1))
-        return neg_sorted, bits.cumsum(3, dtype=dtype)[..., None]  # [2, P, S, L + 1, 1]
+        if self._paired is None:
+            self._paired = torch.maximum(self.dense[:P], self.dense[P:].flip(0).flip(-1))  # [P, S, L]
+            k = torch.arange(L, device=device)
+            lower = k < k[:P, None]  # [P, L]: entry (i, k) belongs to row L-1-i
+            member = torch.where(lower, L - 1 - k, k)  # whose bit entry (i, k) is
+            self._bit = _bit_weights(width, dtype, device)[member % width][:, None, :]  # [P, 1, L]
+            self._word_row = (lower.long(), torch.div(member, width, rounding_mode="floor"))
+        if self._cols_for != C:  # column of entry (i, k) in a row's [2, C + 1, W] words, slot 0
+            lower, word = self._word_row
+            self._col = (lower * (C + 1) * W + word)[:, None, :]  # [P, 1, L]
+            self._cols_for = C
+        sorted_tau, perm = tau.sort(dim=1, stable=True)  # [S, C]
+        out = torch.empty(L, S, C, W, dtype=dtype, device=device)
+        step = max(1, ADJ_LIMIT // max(1, S * L * 8))  # bounds the [b, S, L] slot indices
+        for p0 in range(0, P, step):
+            p1 = min(p0 + step, P)
+            vals = self._paired[p0:p1]  # [b, S, L]
+            b = p1 - p0
+            # slot of each cosine: how many thresholds lie strictly below it
+            slot = torch.searchsorted(sorted_tau[None].expand(b, S, C).contiguous(), vals)  # [b, S, L]
+            index = slot.mul_(W).add_(self._col[p0:p1])
+            words = torch.zeros(b, S, 2 * (C + 1) * W, dtype=dtype, device=device)
+            words.scatter_add_(2, index, self._bit[p0:p1].expand(b, S, L))  # disjoint bits: the sum is the union
+            words = words.view(b, S, 2, C + 1, W).flip(3).cumsum(3, dtype=dtype).flip(3)  # members above slot k
+            above = words[:, :, :, 1:]  # [b, S, 2, C, W]: threshold c counts slots c + 1 .. C
+            out[p0:p1] = above[:, :, 0]
+            out[L - p1:L - p0] = above[:, :, 1].flip(0)
+        if not bool((perm == torch.arange(C, device=device)).all()):
+            inverse = perm.argsort(1)  # [S, C]: sorted position of each original threshold
+            out = out.gather(2, inverse[None, :, :, None].expand(L, S, C, W))
+        return out
 
 
 def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:

@@ -1,0 +1,347 @@
+"""Greedy Seed-based Clustering (SemantiCache), per KV head, vectorised over batch, heads and chunks.
+
+Inside each chunk, walk the slots in order; the first unassigned slot becomes a seed and absorbs
+every LATER unassigned slot of its chunk whose key cosine similarity with the SEED's key is > tau.
+One pass; clusters never cross chunks.
+
+How it is computed: a slot j is absorbed by the first seed i < j with cos(i, j) > tau, and it is a
+seed itself when no earlier seed absorbs it. So the walk only has to find the seed set; the member
+-> seed map then follows without a loop. The walk runs over the position inside a chunk (at most
+the bucket length, never over tokens), for all chunks, heads and thresholds at once, and keeps
+each chunk's unassigned members as a bitset: a step is four ops on [S, C] words. The bitsets of
+"members a seed would absorb" come from each similarity row sorted once per call: the members
+above a threshold are a prefix of the sorted row, read from a table of prefix unions.
+
+Budget: with ``tau=None`` a per-head threshold is searched so that each head ends with at most
+its target slots; the highest feasible tau found (fewest merges) wins. The search evaluates
+``search_width`` thresholds at once per pass and narrows the bracket
+``search_passes`` times; the plan reuses the seeds found for the chosen tau.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvcompress.protocols import ClusterPlan
+
+from kvcompress.types import KVState
+from kvcompress.validation import check_int, check_range
+from kvcompress.strategies.segments import Bucket, SegmentLayout, build_segments
+
+TAU_NO_MERGE = 1.0001  # above any cosine (rounding included): nothing merges
+TAU_MERGE_ALL = -1.0001  # below any cosine: a seed absorbs its whole chunk
+_EXCLUDED = -3.0  # similarity entry that is not a later real member: below every threshold
+ADJ_LIMIT = 1 << 26  # thresholded-similarity booleans [rows, C, S, L] materialised at once
+TABLE_LIMIT = 1 << 27  # bytes of a bucket's threshold table (see BucketSimilarity.spared)
+
+_WORDS = ((8, torch.int8), (16, torch.int16), (32, torch.int32), (64, torch.int64))
+
+
+def _word_layout(L: int) -> tuple[int, torch.dtype, int]:
+    """Bitset layout for L members: (bits per word, word dtype, words per bitset)."""
+    for width, dtype in _WORDS:
+        if L <= width:
+            return width, dtype, 1
+    return 64, torch.int64, (L + 63) // 64
+
+
+def _bit_weights(width: int, dtype: torch.dtype, device) -> Tensor:
+    """[width] value of each bit. The top bit weighs -2**(width-1): bits are disjoint, so sums of
+    them have no carries and no partial sum overflows, in any order."""
+    weights = [1 << k for k in range(width - 1)] + [-(1 << (width - 1))]
+    return torch.tensor(weights, dtype=dtype, device=device)
+
+
+def _pack(bits: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """[..., L] bool -> [..., W] bitsets (member j is bit j % width of word j // width).
+
+    Eight booleans become one byte with eight shifts and ORs on 1/8 of the data; the bytes,
+    read as little-endian words, are the bitsets."""
+    L = bits.shape[-1]
+    W = (L + width - 1) // width
+    if sys.byteorder != "little":
+        weights = _bit_weights(width, dtype, bits.device)
+        padded = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], W * width - L)], -1)
+        return (padded.reshape(*bits.shape[:-1], W, width) * weights).sum(-1, dtype=dtype)
+    if W * width != L:
+        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], W * width - L)], -1)
+    by_byte = bits.contiguous().view(torch.uint8).reshape(*bits.shape[:-1], -1, 8)
+    packed = by_byte[..., 0].clone()
+    for k in range(1, 8):
+        packed.bitwise_or_(by_byte[..., k].bitwise_left_shift(k))
+    return packed.view(dtype)  # [..., W]
+
+
+def _unpack(words: Tensor, width: int, L: int) -> Tensor:
+    """[..., W] bitsets -> [..., L] bool."""
+    shifts = torch.arange(min(width, L), dtype=words.dtype, device=words.device)
+    bits = (words[..., None] >> shifts) & 1  # [..., W, min(width, L)]
+    return bits.reshape(*words.shape[:-1], -1)[..., :L].bool()
+
+
+class BucketSimilarity:
+    """Cosines between the members of every segment of a bucket, by blocks of seed rows.
+
+    keys: [S, L, D] unit-norm keys of the segments' members
+    mask: [S, L] bool real members
+    rows(i0, i1) -> [i1 - i0, S, L]: cos(member i, member j) for i in [i0, i1), clamped to [-1, 1]
+    (rounding can push the cosine of identical keys above 1, and "cos > 1" must never hold), and
+    _EXCLUDED where j is not a real member later than i. Cached whole when S * L * L <= dense_limit.
+    """
+
+    def __init__(self, kn: Tensor, bucket: Bucket, num_slots: int, dense_limit: int):
+        self.mask = bucket.mask
+        S, L = self.mask.shape
+        self.keys = kn.index_select(0, bucket.flat_index(num_slots).view(-1)).view(S, L, -1)  # [S, L, D]
+        self.words = _word_layout(L)
+        self.dense = self._compute(0, L) if S * L * L <= dense_limit else None
+        self.row_block = L if self.dense is not None else max(1, dense_limit // max(1, S * L))
+        self._table = None
+
+    def _compute(self, i0: int, i1: int) -> Tensor:
+        sims = torch.matmul(self.keys[:, i0:i1], self.keys.transpose(1, 2))  # [S, b, L]
+        sims = sims.transpose(0, 1).contiguous().clamp_(-1.0, 1.0)  # [b, S, L]
+        L = self.mask.shape[1]
+        i = torch.arange(i0, i1, device=sims.device)[:, None, None]
+        j = torch.arange(L, device=sims.device)[None, None, :]
+        later = (j > i) & self.mask[None]  # [b, S, L]
+        return sims.masked_fill_(~later, _EXCLUDED)
+
+    def rows(self, i0: int, i1: int) -> Tensor:
+        return self.dense[i0:i1] if self.dense is not None else self._compute(i0, i1)
+
+    def block(self, per_row: int) -> int:
+        """Seed rows per block when each row costs ``per_row`` booleans."""
+        return max(1, min(self.row_block, ADJ_LIMIT // max(1, per_row)))
+
+    def spared(self, tau: Tensor) -> list[tuple[int, Tensor]]:
+        """Blocks (i0, words [b, S, C, W]): per seed row i = i0 + r, the bitset of the members
+        that i does NOT absorb, for C thresholds tau [S, C].
+
+        With the dense cosines at hand, each row is sorted once: the members above a threshold
+        are then a prefix of the row sorted by decreasing cosine, whose bitset is read from a table
+        of prefix unions after a binary search: O(C S L log L) per call instead of O(C S L^2)."""
+        width, dtype, W = self.words
+        L = self.mask.shape[1]
+        S, C = tau.shape
+        if self.dense is not None and L * S * (L + 1) * W * 8 <= TABLE_LIMIT:
+            if self._table is None:
+                self._table = self._prefix_table()
+            neg_sorted, table = self._table  # [G, S, L], [K, G, S, L + 1, W]
+            K, G = table.shape[:2]
+            # members above tau: the first `above` of the sorted row
+            above = torch.searchsorted(neg_sorted, tau.neg()[None].expand(G, S, C).contiguous())  # [G, S, C]
+            rows = torch.arange(K * G * S, device=above.device).view(K, G, S, 1) * (L + 1)
+            words = table.view(-1, W).index_select(0, (rows + above).view(-1)).view(K, G, S, C, W)
+            if K == 2:  # paired rows: row i < L/2 is (0, i), row L-1-i is (1, i)
+                words = torch.cat([words[0], words[1].flip(0)])
+            return [(0, words.view(L, S, C, W).bitwise_not_())]  # absorbed -> spared
+        step = self.block(C * S * L)
+        thr = tau[None, :, :, None]  # [1, S, C, 1]
+        return [(i0, ~_pack(self.rows(i0, min(i0 + step, L))[:, :, None] > thr, width, dtype))
+                for i0 in range(0, L - 1, step)]
+
+    def _prefix_table(self) -> tuple[Tensor, Tensor]:
+        """Sorted rows [G, S, L] (negated cosines, ascending: cosines by decreasing value) and
+        the union of the first k members in that order [K, G, S, L + 1, W] for k = 0..L.
+
+        Seed row i only holds the L - 1 - i members after it, so rows i and L - 1 - i fit in one
+        row of L entries together (K = 2, G = L / 2, one sort of half the size); each keeps its
+        own union table, where the other row's entries add nothing. Bitsets of several words
+        (L > 64) and odd L are not paired (K = 1, G = L)."""
+        width, dtype, W = self.words
+        L, S, _ = self.dense.shape
+        weights = _bit_weights(width, dtype, self.dense.device)
+        if W > 1 or L % 2:
+            neg_sorted, order = torch.sort(self.dense.neg())
+            bits = torch.zeros(L, S, L + 1, W, dtype=dtype, device=order.device)  # entry 0: nobody
+            bits[:, :, 1:].scatter_(3, torch.div(order, width, rounding_mode="floor")[..., None],
+                                    weights[order % width][..., None])
+            return neg_sorted, bits.cumsum(2, dtype=dtype)[None]  # disjoint bits: the sum is the union
+        P = L // 2
+        # row i's members k > i, and row L-1-i's members j > L-1-i stored at k = L-1-j < i;
+        # every other entry is _EXCLUDED in both, so the larger value is the right one
+        paired = torch.maximum(self.dense[:P], self.dense[P:].flip(0).flip(-1))  # [P, S, L]
+        neg_sorted, order = torch.sort(paired.neg())
+        k = torch.arange(L, device=order.device)
+        i = k[:P, None]
+        own = torch.stack([torch.where(k > i, weights[:L], 0),  # [2, P, L + 1]: entry k's bit per
+                           torch.where(k < i, weights[:L].flip(0), 0)])  # row, then a 0 for "nobody"
+        own = torch.cat([own, own.new_zeros(2, P, 1)], 2)
+        first = order.new_full((P, S, 1), L)  # the prefix of 0 entries reads the 0
+        order = torch.cat([first, order], 2)  # [P, S, L + 1]
+        bits = own[:, :, None, :].expand(2, P, S, L + 1).gather(3, order[None].expand(2, P, S, L + 1))
+        return neg_sorted, bits.cumsum(3, dtype=dtype)[..., None]  # [2, P, S, L + 1, 1]
+
+
+def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
+    """The GSC walk for C thresholds: [C, S, L] bool, True at seeds.
+
+    tau: [C, S] threshold per segment. A slot stays unassigned until an earlier seed absorbs it,
+    and seeds are never absorbed, so the slots still unassigned after the walk are the seeds. The
+    walk keeps each segment's unassigned members as a bitset, so a step costs a handful of ops on
+    [S, C] words whatever the segment length.
+    """
+    S, L = sims.mask.shape
+    C = tau.shape[0]
+    width, dtype, W = sims.words
+    # [S, C, W]: segment-major like the similarity rows, so no step needs a transposed copy
+    unassigned = _pack(sims.mask, width, dtype)[:, None].expand(S, C, W).clone()  # padding: assigned
+    words = [unassigned[:, :, w:w + 1] for w in range(W)]  # views: they follow the in-place updates
+    shifts = torch.arange(width, dtype=dtype, device=tau.device).unbind()  # 0-d: no per-step casts
+    one = torch.ones((), dtype=dtype, device=tau.device)
+    for i0, spared in sims.spared(tau.t()):
+        rows = spared.unbind(0)
+        for r in range(min(len(rows), L - 1 - i0)):  # the last member has nobody after it
+            w, bit = divmod(i0 + r, width)
+            # [S, C, 1]: 0 where member i is (still) a seed, all ones where it is not
+            not_seed = torch.bitwise_right_shift(words[w], shifts[bit]).bitwise_and_(one).sub_(one)
+            unassigned.bitwise_and_(torch.bitwise_or(rows[r], not_seed))
+    return (_unpack(unassigned, width, L) & sims.mask[:, None]).transpose(0, 1)
+
+
+def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor:
+    """[S, L] long: local index of each member's seed (the first seed i < j with cos > tau; itself
+    for seeds and padding). seeds: [S, L] bool; tau: [S]."""
+    S, L = seeds.shape
+    seed_of = torch.arange(L, device=seeds.device).expand(S, L).clone()
+    found = torch.zeros(S, L, dtype=torch.bool, device=seeds.device)
+    seed_rows = seeds.t()  # [L, S]
+    thr = tau[None, :, None]
+    step = sims.block(S * L)
+    for i0 in range(0, L - 1, step):
+        i1 = min(i0 + step, L - 1)
+        hit = (sims.rows(i0, i1) > thr) & seed_rows[i0:i1, :, None]  # [b, S, L]
+        first = hit.to(torch.uint8).argmax(0) + i0  # first seed row of this block absorbing j
+        new = hit.any(0) & ~found
+        seed_of = torch.where(new, first, seed_of)
+        found |= new
+    return seed_of
+
+
+def gsc_run(
+    kn: Tensor,
+    layout: SegmentLayout,
+    tau: Tensor,
+    outside: Tensor,
+    want_plan: bool = False,
+    dense_limit: int = 1 << 26,
+    cache: dict | None = None,
+):
+    """Run GSC for C thresholds per row at once.
+
+    kn:      [R * N, D] unit-norm keys
+    tau:     [C, R] thresholds
+    outside: [R] long, valid slots not in any bucket (each is its own cluster)
+    returns  counts [C, R] (clusters + outside slots) and, if want_plan, per bucket the local
+             seed index of every member [C, S, L] (else None per bucket)
+    """
+    C, R = tau.shape
+    counts = outside[None, :].expand(C, R).clone()
+    plans = []
+    for b_idx, bucket in enumerate(layout.buckets):
+        key = ("sim", b_idx)
+        if cache is not None and key in cache:
+            sims = cache[key]
+        else:
+            sims = BucketSimilarity(kn, bucket, layout.num_slots, dense_limit)
+            if cache is not None:
+                cache[key] = sims
+        t = tau[:, bucket.rows]  # [C, S]
+        seeds = bucket_seeds(sims, t)
+        counts.index_add_(1, bucket.rows, seeds.sum(-1))
+        plans.append(torch.stack([bucket_parents(sims, seeds[c], t[c]) for c in range(C)])
+                     if want_plan else None)
+    return counts, plans
+
+
+
+@dataclass(frozen=True)
+class GreedySeedClustering:
+    """SemantiCache's GSC on key cosine similarity.
+
+    tau:           fixed threshold in [-1, 1]; None searches a per-head tau that meets the budget
+    search_width:  thresholds tried per search pass
+    search_passes: bracket refinements (resolution ~ 2 / (search_width + 1) ** search_passes)
+    dense_limit:   largest S * L * L similarity block precomputed per bucket (else row by row)
+    """
+
+    tau: float | None = None
+    search_width: int = 15
+    search_passes: int = 3
+    dense_limit: int = 1 << 26
+
+    def __post_init__(self):
+        if self.tau is not None:
+            check_range("tau", self.tau, -1.0, 1.0)
+        check_int("search_width", self.search_width, 1)
+        check_int("search_passes", self.search_passes, 1)
+        check_int("dense_limit", self.dense_limit, 1)
+
+    def __call__(self, state: KVState, chunk_ids: Tensor, target: Tensor, round_idx: int = 0) -> ClusterPlan:
+        B, H, N, D = state.keys.shape
+        R = B * H
+        valid = state.valid.reshape(R, N)
+        kn = F.normalize(state.keys.float(), dim=-1).reshape(R * N, D)
+        layout = build_segments(torch.where(valid, chunk_ids.reshape(R, N), -1), min_length=2)
+        sims = [BucketSimilarity(kn, b, N, self.dense_limit) for b in layout.buckets]
+        valid_count = valid.sum(1)  # [R]
+        target_rows = target.reshape(R).to(kn.device)
+
+        if self.tau is not None:
+            tau = torch.full((R,), float(self.tau), device=kn.device)
+            seeds = [bucket_seeds(s, tau[None, b.rows])[0] for s, b in zip(sims, layout.buckets)]
+        else:
+            tau, seeds = self._search(layout, sims, valid_count, target_rows)
+
+        slot = torch.arange(N, device=kn.device)
+        parent = torch.where(valid, slot, -1).reshape(R * N).clone()
+        for bucket, s, seed_mask in zip(layout.buckets, sims, seeds):
+            seed_of = bucket_parents(s, seed_mask, tau[bucket.rows])  # [S, L]
+            seed_slot = bucket.slots.gather(1, seed_of)
+            flat = bucket.flat_index(N)
+            parent[flat[bucket.mask]] = seed_slot[bucket.mask]
+        return ClusterPlan(parent.view(B, H, N), done=True, tau=tau.view(B, H))
+
+    def _search(self, layout: SegmentLayout, sims: list, valid_count: Tensor, target_rows: Tensor):
+        """Highest feasible tau per row [R] and the seeds [S, L] of every bucket at that tau."""
+        R = target_rows.numel()
+        device = target_rows.device
+        fits = valid_count <= target_rows  # rows that fit without merging keep everything
+        no_merge = torch.full((R,), TAU_NO_MERGE, device=device)
+        if not layout.buckets or bool(fits.all()):
+            return no_merge, [b.mask for b in layout.buckets]
+        # the bracket's low end is always feasible or TAU_MERGE_ALL (the fewest reachable slots:
+        # each segment collapses into its first member); its seeds are kept, not recomputed
+        lo = torch.full((R,), TAU_MERGE_ALL, device=device)
+        hi = no_merge.clone()
+        lo_seeds = [torch.zeros_like(b.mask).index_fill_(1, torch.zeros(1, dtype=torch.long, device=device), True)
+                    for b in layout.buckets]
+        in_buckets = torch.zeros(R, dtype=torch.long, device=device)
+        for bucket in layout.buckets:
+            in_buckets.index_add_(0, bucket.rows, bucket.mask.sum(1))
+        outside = valid_count - in_buckets
+        C = self.search_width
+        frac = torch.arange(1, C + 1, device=device, dtype=torch.float32)[:, None] / (C + 1)  # [C, 1]
+        order = torch.arange(C, device=device)[:, None]
+        for _ in range(self.search_passes):
+            cands = lo[None] + (hi - lo)[None] * frac  # [C, R], increasing
+            counts = outside[None, :].expand(C, R).clone()
+            all_seeds = [bucket_seeds(s, cands[:, b.rows]) for s, b in zip(sims, layout.buckets)]  # [C, S, L]
+            for bucket, seeds in zip(layout.buckets, all_seeds):
+                counts.index_add_(1, bucket.rows, seeds.sum(-1))
+            # highest feasible candidate per row (counts need not be monotone in tau), -1 if none
+            idx = torch.where(counts <= target_rows[None], order, -1).max(0).values  # [R]
+            better = idx >= 0
+            pick = idx.clamp(min=0)
+            hi = torch.where(idx + 1 < C, cands.gather(0, (idx + 1).clamp(max=C - 1)[None])[0], hi)
+            lo = torch.where(better, cands.gather(0, pick[None])[0], lo)
+            lo_seeds = [torch.where(better[b.rows, None], seeds[pick[b.rows], torch.arange(len(b.rows), device=device)],
+                                    prev) for b, seeds, prev in zip(layout.buckets, all_seeds, lo_seeds)]
+        chosen = [torch.where(fits[b.rows, None], b.mask, seeds) for b, seeds in zip(layout.buckets, lo_seeds)]
+        return torch.where(fits, no_merge, lo), chosen
