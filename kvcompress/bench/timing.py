@@ -107,3 +107,20 @@ def attention_time(layers, num_q_heads: int, backend: str, *, reps: int = 5, see
     ms = [t * 1e3 for t in times]
     return {"median_ms": round(statistics.median(ms), 4), "min_ms": round(min(ms), 4), "reps": reps,
             "compiles": compile_count() - before}
+
+
+class plain_attention:
+    """``with plain_attention(model):`` the model runs transformers' own SDPA attention (no
+    kvcompress code in the path) and gets its previous implementation back afterwards."""
+
+    def __init__(self, model, implementation: str = "sdpa"):
+        self.model, self.implementation = model, implementation
+        self.previous = None
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.implementation)
+        return self.model
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.previous)

@@ -95,11 +95,12 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
         H, N = st.num_heads, st.num_slots
         G = Hq // H
         logits = torch.einsum("bhgwd,bhnd->bhgwn", q.reshape(B, H, G, W, D).float(), st.keys.float())
-        logits = logits / math.sqrt(D) + st.log_sizes[:, :, None, None, :]  # [B, H, G, W, N]
+        # in place: the same numbers as out-of-place ops, without three more [B, H, G, W, N] buffers
+        logits.div_(math.sqrt(D)).add_(st.log_sizes[:, :, None, None, :])  # [B, H, G, W, N]
         # query w sits at token T - W + w and sees only slots at or before it
         qpos = st.num_tokens - W + torch.arange(W, device=q.device)  # [W]
         future = st.positions[:, :, None, None, :] > qpos[None, None, None, :, None]
-        probs = logits.masked_fill(future, float("-inf")).softmax(-1).nan_to_num(0.0)
+        probs = torch.softmax(logits.masked_fill_(future, float("-inf")), -1).nan_to_num_(0.0)
         per_slot = probs.amax(dim=(2, 3))  # [B, H, N]
         out += _per_head_max(per_slot, _slot_sentences(st, sid), num).sum(1)
     return out

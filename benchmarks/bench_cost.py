@@ -1,0 +1,128 @@
+"""Compression cost of every preset as a share of the plain prefill (SmolLM2 8k), and its growth
+with N (synthetic Llama-3-8B-shaped keys, 2k..32k).
+
+    python benchmarks/bench_cost.py --threads 1 --out benchmarks/results/cost_smollm2_8k.json
+    python benchmarks/bench_cost.py --scaling --threads 1 --out benchmarks/results/cost_scaling.json
+    python benchmarks/bench_cost.py --length 1024 --rounds 1 --presets semanticache   # smoke
+
+1. One recorder prefill of the first N tokens of the Paul Graham essays gives every layer's keys,
+   values and last 64 queries (what the scorers and the sentence guard read).
+2. ``--rounds`` rounds, in one process: a plain transformers prefill (SDPA attention, the stock
+   DynamicCache, no kvcompress code), then every preset prepares and compresses the 30 layers of the
+   snapshot (kvcompress.bench.cost.compression_seconds). A preset's share is its compression time
+   over that round's prefill; the median over rounds is reported; load averages per round.
+3. ``--scaling``: one layer of 8 KV heads x 128 dims, N in --lengths, reps interleaved; the log-log
+   slope of the median times (linear cost: slope ~1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvcompress.bench import cost
+from kvcompress.bench.machine import describe_machine, load_average
+
+RESULTS = Path(__file__).parent / "results"
+SKIP_DEFAULT = ("semanticache-global",)  # GSC over a whole head: O(N^2) by design (an ablation), timed on 1 layer
+MAIN = ("semanticache", "semanticache-safe", "centroidkv", "centroidkv-safe", "streamingllm", "snapkv")
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def configs_for(names, keep: float) -> dict:
+    from kvcompress.presets import get_preset
+
+    return {n: get_preset(n, keep_ratio=keep, on_infeasible="best_effort") for n in names}
+
+
+def run_cost(args) -> dict:
+    from kvcompress.bench.caches import prefill_snapshot
+    from kvcompress.bench.sources import TokenSource, load
+    from kvcompress.bench.timing import plain_attention
+    from kvcompress.presets import list_presets
+
+    names = [p for p in list_presets() if p not in SKIP_DEFAULT] if args.presets == ["all"] else args.presets
+    configs = configs_for(names, args.keep)
+    loaded = load("smollm2")
+    model = loaded.model
+    ids = TokenSource(loaded.tokenizer, loaded.vocab).ids(args.length)
+    window = max([c.query_window for c in configs.values()] + [1])
+    log(f"recorder prefill of {args.length} tokens (query window {window}) ...")
+    snap, rec_s = prefill_snapshot(model, loaded.tokenizer, loaded.vocab, ids, [c.replace(track_attention=False)
+                                                                              for c in configs.values()])
+
+    def prefill() -> float:
+        with plain_attention(model), torch.inference_mode():
+            start = time.perf_counter()
+            model.base_model(input_ids=ids, use_cache=True)
+            return time.perf_counter() - start
+
+    doc = {"benchmark": "compression cost as a share of the plain prefill", "command": " ".join(sys.argv),
+           "machine": describe_machine(), "model": "smollm2", "length": args.length, "keep_ratio": args.keep,
+           "recorder_prefill_s": rec_s, "stats_note": cost.STATS_NOTE,
+           "prefill": "model.base_model(ids) with attn_implementation='sdpa' and the stock DynamicCache"}
+    doc.update(cost.cost_rounds(prefill, configs, snap.states, rounds=args.rounds, log=log))
+    if args.presets == ["all"]:
+        doc["single_layer"] = {}
+        for name in SKIP_DEFAULT:
+            cfg = configs_for([name], args.keep)[name]
+            wall, _ = cost.compression_seconds(cfg, snap.states[:1], warmup=False)
+            doc["single_layer"][name] = {"one_layer_s": wall, "layers": len(snap.states),
+                                         "note": "one layer, not warmed up; x layers / prefill for the share"}
+    doc["load_average_end"] = load_average()
+    return doc
+
+
+def run_scaling(args) -> dict:
+    from kvcompress.bench.sources import TINY_VOCAB, TokenSource, _smollm2_tokenizer
+    from kvcompress.hf.vocab import token_texts
+
+    names = list(MAIN) if args.presets == ["all"] else args.presets
+    tok = _smollm2_tokenizer()
+    vocab = token_texts(tok) if tok is not None else TINY_VOCAB
+    source = TokenSource(tok, vocab)
+    doc = {"benchmark": "compression cost against N (one layer, synthetic Llama-3-8B-shaped keys: 8 KV heads, "
+                        "head dim 128, 32 query heads)", "command": " ".join(sys.argv),
+           "machine": describe_machine(), "keep_ratio": args.keep, "reps": args.reps}
+    doc["presets"] = cost.scaling(configs_for(names, args.keep), args.lengths, reps=args.reps, ids_for=source.ids,
+                                  vocab=vocab, log=log)
+    doc["load_average_end"] = load_average()
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scaling", action="store_true", help="cost against N on synthetic keys instead")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--keep", type=float, default=0.25)
+    ap.add_argument("--presets", nargs="+", default=["all"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.length < 16 or args.rounds < 1 or args.reps < 1 or not 0 < args.keep < 1:
+        ap.error("--length >= 16, --rounds >= 1, --reps >= 1 and 0 < --keep < 1")
+    torch.set_num_threads(args.threads)
+    doc = run_scaling(args) if args.scaling else run_cost(args)
+    out = args.out or RESULTS / ("cost_scaling.json" if args.scaling else f"cost_smollm2_{args.length}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    key = "slope" if args.scaling else "share_median"
+    for name, rec in doc["presets"].items():
+        print(f"{name:28s} {key} {rec[key]:.4f}")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Compression cost against the plain prefill, and its growth with the context length.
+
+- ``compression_seconds``: one pipeline over every layer's state, as the transformers cache does
+  it at the prefill's end (cross-layer guards prepared from all layers, then each layer
+  compressed), after one untimed warm-up compression of layer 0.
+- ``cost_rounds``: rounds of [plain prefill, every preset]: each round gives the preset's
+  share of *that round's* prefill, so a change of load between rounds hits both sides alike;
+  the reported share is the median over rounds.
+- ``scaling``: one layer of synthetic keys (prototypes + noise, Llama-3-8B-shaped heads) at
+  several lengths; the log-log slope of time against N says whether the cost is linear.
+
+Presets that read attention statistics (``track_attention``) get random positive ones
+(``stats_note``): their cost does not depend on the values, and recording real ones at 8k
+would need the attention matrices of the prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from ..types import KVState
+from .machine import load_average
+
+STATS_NOTE = ("presets with track_attention read random positive attn_acc (their cost does not depend on the "
+              "values; recording real ones needs the prefill's attention matrices)")
+
+
+def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVState]:
+    """The states with what ``config``'s scorers read: ``extras["queries"]`` of at least its
+    query window (repeated along the window when the snapshot holds fewer) and, with
+    ``track_attention``, a random positive ``extras["attn_acc"]`` [B, H, N]."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for st in states:
+        extras = dict(st.extras)
+        q = extras.get("queries")
+        if config.query_window and q is not None and q.shape[2] < config.query_window:
+            reps = -(-config.query_window // q.shape[2])
+            extras["queries"] = torch.cat([q] * reps, 2)[:, :, -config.query_window:]
+        if config.track_attention:
+            extras["attn_acc"] = torch.rand(st.keys.shape[:3], generator=gen)
+        out.append(st.replace(extras=extras))
+    return out
+
+
+def compression_seconds(config, states: Sequence[KVState], warmup: bool = True) -> tuple[float, float]:
+    """(wall, cpu) seconds of ``Pipeline(config)`` preparing from ``states`` and compressing each.
+
+    states: one KVState per layer (as a prefill leaves them)
+    """
+    from ..pipeline import Pipeline
+
+    states = with_inputs(states, config)
+    with torch.inference_mode():
+        if warmup:
+            pipe = Pipeline(config)
+            pipe.prepare(states)
+            pipe.compress(states[0], 0)
+        pipe = Pipeline(config)  # fresh: no decision carried over from the warm-up
+        wall, cpu = time.perf_counter(), time.process_time()
+        if pipe.needs_all_layers:
+            pipe.prepare(states)
+        for i, st in enumerate(states):
+            pipe.compress(st, i)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def cost_rounds(prefill: Callable[[], float], configs: dict, states: Sequence[KVState], rounds: int = 3,
+                log=None) -> dict:
+    """Per preset, its compression time as a share of the plain prefill, round by round.
+
+    prefill: runs one plain prefill, returns its seconds
+    configs: {name: PipelineConfig}
+    returns  {"rounds": [...], "presets": {name: {"share_median", "shares", "compress_s", ...}}}
+    """
+    doc = {"rounds": [], "presets": {}}
+    for r in range(rounds):
+        rec = {"round": r, "load_average_start": load_average()}
+        rec["prefill_s"] = prefill()
+        rec["compress_s"] = {}
+        for name, cfg in configs.items():
+            wall, _ = compression_seconds(cfg, states)
+            rec["compress_s"][name] = wall
+            if log:
+                log(f"round {r} {name}: {wall:.3f} s = {wall / rec['prefill_s']:.2%} of the prefill")
+        rec["load_average_end"] = load_average()
+        doc["rounds"].append(rec)
+    for name in configs:
+        shares = [rec["compress_s"][name] / rec["prefill_s"] for rec in doc["rounds"]]
+        secs = [rec["compress_s"][name] for rec in doc["rounds"]]
+        doc["presets"][name] = {"share_median": statistics.median(shares), "shares": shares,
+                                "compress_s": secs, "compress_s_median": statistics.median(secs)}
+    return doc
+
+
+def synthetic_states(num_tokens: int, *, heads: int = 8, head_dim: int = 128, q_heads: int = 32, window: int = 64,
+                     layers: int = 1, token_ids=None, vocab=None, seed: int = 0, prototypes: int = 64) -> list[KVState]:
+    """Llama-3-8B-shaped states [1, heads, N, head_dim]: keys around ``prototypes`` random
+    directions plus noise (so similarity methods find structure), Gaussian values, random queries."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layers):
+        protos = torch.randn(1, heads, prototypes, head_dim, generator=gen)
+        pick = torch.randint(0, prototypes, (1, heads, num_tokens), generator=gen)
+        keys = protos.gather(2, pick[..., None].expand(1, heads, num_tokens, head_dim))
+        keys.add_(torch.randn(keys.shape, generator=gen), alpha=0.6)
+        values = torch.randn(1, heads, num_tokens, head_dim, generator=gen)
+        st = KVState.from_raw(keys, values, token_ids=token_ids, vocab=vocab)
+        q = torch.randn(1, q_heads, min(window, num_tokens), head_dim, generator=gen)
+        out.append(st.replace(extras={"queries": q}))
+    return out
+
+
+def loglog_slope(lengths: Sequence[int], seconds: Sequence[float]) -> float:
+    """Least-squares slope of log(seconds) against log(length)."""
+    xs = [math.log(n) for n in lengths]
+    ys = [math.log(max(s, 1e-12)) for s in seconds]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float("nan")
+
+
+def scaling(configs: dict, lengths: Sequence[int], *, reps: int = 3, ids_for=None, vocab=None, log=None,
+            **shape) -> dict:
+    """{name: {"lengths", "seconds" (median of reps), "slope"}}; lengths interleaved per rep.
+
+    ids_for: length -> [1, N] token ids (text-aware chunkers and guards need them), or None
+    """
+    times = {name: {n: [] for n in lengths} for name in configs}
+    cached = {n: synthetic_states(n, token_ids=None if ids_for is None else ids_for(n), vocab=vocab, **shape)
+              for n in lengths}
+    for rep in range(reps):
+        for n in lengths:
+            for name, cfg in configs.items():
+                wall, _ = compression_seconds(cfg, cached[n], warmup=rep == 0)
+                times[name][n].append(wall)
+                if log:
+                    log(f"rep {rep} N={n} {name}: {wall * 1e3:.1f} ms")
+    out = {}
+    for name in configs:
+        med = [statistics.median(times[name][n]) for n in lengths]
+        out[name] = {"lengths": list(lengths), "seconds": med, "all_seconds": [times[name][n] for n in lengths],
+                     "slope": loglog_slope(lengths, med)}
+    return out
