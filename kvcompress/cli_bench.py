@@ -8,9 +8,11 @@
 
 Per model and length: one prefill (SmolLM2) or random keys/values (the synthetic Llama-3-8B
 stack, whose 32k prefill is too slow on a CPU), then every method decodes from its own copy:
-the stock DynamicCache, the uncompressed kvcompress cache, and each preset x budget, on each
+plain transformers (the stock DynamicCache through transformers' own SDPA attention, no kvcompress
+code), the uncompressed kvcompress cache, and each preset x budget, on each
 attention backend. Writes the results JSON (machine, load average, every run, the floors with
-pass/fail, profiles) and PNG plots of TPOT and memory against context length.
+pass/fail, TPOT against plain transformers per round and against the measured bandwidth floor,
+profiles) and PNG plots of TPOT and memory against context length.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--decode-tokens", type=int, default=None, help="timed decode steps per cache (default 16)")
     w.add_argument("--warmup", type=int, default=None, help="untimed steps per cache first (default 2)")
     w.add_argument("--attention-reps", type=int, default=None, help="repeats of the attention-alone timing (default 5)")
-    w.add_argument("--no-stock", action="store_true", help="skip transformers' DynamicCache baseline")
+    w.add_argument("--no-stock", action="store_true",
+                   help="skip plain transformers (DynamicCache, SDPA attention, no kvcompress code)")
+    w.add_argument("--bandwidth-mib", type=int, default=512,
+                   help="buffer streamed to measure the bandwidth floor, per context (0: skip; default 512)")
     w.add_argument("--on-infeasible", default="best_effort", choices=["best_effort", "error"],
                    help="a budget a method cannot reach: keep its smallest cache (default) or fail")
     w.add_argument("--quick", action="store_true",
@@ -124,6 +129,7 @@ def settings_from_args(args):
         attention_reps=pick("attention_reps", 5),
         dtype=args.dtype,
         stock=not args.no_stock,
+        bandwidth_bytes=args.bandwidth_mib * 1024 * 1024,
         on_infeasible=args.on_infeasible,
         profile=not args.no_profile and quick.get("profile", True),
         text=args.text,

@@ -22,7 +22,7 @@ from kvcompress.bench.timing import summarize  # noqa: E402
 from kvcompress.hf.generate import cache_kwarg  # noqa: E402
 
 TINY = dict(models=("tiny",), lengths=(64,), budgets=(0.5,), presets=("streamingllm",), backends=("sdpa",),
-            decode_tokens=2, warmup=1, attention_reps=1, profile=False, progress=False)
+            decode_tokens=2, warmup=1, attention_reps=1, profile=False, progress=False, bandwidth_bytes=1 << 22)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_results_file_holds_every_run_and_the_machine(tiny_results):
     machine = on_disk["machine"]
     assert machine["cores"] >= 1 and machine["torch"] == torch.__version__ and "load_average" in machine
     assert [f["name"] for f in on_disk["floors"]] == [
-        "kv_bytes", "attention_32k", "tpot_smollm2_8k", "compression_overhead_8k"]
+        "kv_bytes", "attention_32k", "tpot_smollm2_8k", "compression_overhead_8k", "bandwidth_smollm2_8k"]
 
 
 def test_kv_bytes_match_hand_computed_sizes(tiny_results):
@@ -256,3 +256,115 @@ def test_kv_floor_reports_the_keep_the_method_reached():
     runs[0].update(keep_mean=0.279, keep_max=0.28)
     item = next(f for f in evaluate(runs, [], {}) if f["name"] == "kv_bytes")["items"][0]
     assert item["pass"] is False and item["keep_achieved_mean"] == 0.279 and item["held_over_full"] == 0.28
+
+
+# ---------------------------------------------------------------------------- the true baseline
+def test_every_run_is_measured_against_plain_transformers_and_the_bandwidth_floor(tiny_results):
+    results, _ = tiny_results
+    ctx = results["contexts"][0]
+    assert ctx["bandwidth_gbps"] > 0 and len(ctx["round_load_average"]) == TINY["decode_tokens"]
+    W = results["models"]["tiny"]["weights_bytes_per_token"]
+    plain = next(r for r in results["runs"] if r["method"] == "full-stock")
+    for r in results["runs"]:
+        ratios = r["tpot_vs_plain"]["per_round"]
+        assert len(ratios) == TINY["decode_tokens"]
+        expected = [p / t for p, t in zip(plain["tpot"]["steps_ms"], r["tpot"]["steps_ms"])]
+        assert all(math.isclose(a, b, rel_tol=0.02, abs_tol=1e-3) for a, b in zip(ratios, expected))
+        floor = r["bandwidth_floor"]
+        assert floor["bytes_read"] == W + r["kv_bytes_held"]
+        assert math.isclose(floor["floor_ms"], floor["bytes_read"] / (ctx["bandwidth_gbps"] * 1e9) * 1e3,
+                            rel_tol=1e-3, abs_tol=1e-3)
+        assert math.isclose(floor["share_of_floor"], floor["floor_ms"] / r["tpot"]["median_ms"], rel_tol=0.02,
+                            abs_tol=2e-4)
+    assert plain["tpot_vs_plain"]["per_round"] == [1.0] * TINY["decode_tokens"]
+
+
+def test_the_plain_twin_runs_no_kvcompress_code_while_a_cache_is_bound_to_the_model():
+    """Every Python function called while the twin decodes a stock DynamicCache, with a kvcompress
+    cache bound (hooks installed, kvcompress attention selected) on the original model: none may
+    come from the kvcompress package. The twin shares the original's weights."""
+    import os
+    import sys
+
+    import kvcompress
+    from transformers import DynamicCache
+
+    from kvcompress.hf import CompressedCache
+
+    loaded = load("tiny")
+    model = loaded.model
+    twin = C.plain_twin(model)
+    assert C.shares_weights(twin, model) and twin.config._attn_implementation == "sdpa"
+    bound = CompressedCache.for_model(model, None, "streamingllm", vocab=loaded.vocab)
+    ids = torch.randint(0, len(TINY_VOCAB), (1, 12))
+    package = os.path.dirname(os.path.abspath(kvcompress.__file__))
+    seen = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and os.path.abspath(frame.f_code.co_filename).startswith(package):
+            seen.append(frame.f_code.co_name)
+
+    cache = DynamicCache(config=model.config)
+    key = cache_kwarg(twin)
+    with torch.inference_mode():
+        sys.setprofile(tracer)
+        try:
+            out = twin(input_ids=ids, use_cache=True, **{key: cache})
+            twin(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{key: cache})
+        finally:
+            sys.setprofile(None)
+        ref = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): bound}).logits
+    assert seen == []
+    assert torch.allclose(out.logits, ref, atol=1e-5)  # same weights, same numbers (kvcompress attention)
+    assert model.config._attn_implementation != "sdpa"  # the original is left as it was
+    bound.close()
+
+
+def test_bandwidth_measurement_and_floor_arithmetic():
+    from kvcompress.bench.bandwidth import floor_ms, measure_bandwidth
+
+    bw = measure_bandwidth(1 << 22, reps=2)
+    assert bw["bytes"] == 1 << 22 and bw["gbps"] == max(bw["sum_gbps"], bw["gemv_gbps"]) > 0
+    assert math.isclose(floor_ms(2_000_000_000, 4.0), 500.0)
+    with pytest.raises(ValueError, match="reps"):
+        measure_bandwidth(1 << 22, reps=0)
+
+
+def test_bandwidth_floor_against_hand_made_runs():
+    def run(method, budget, backend, tpot, share):
+        r = _run("smollm2", 8192, method, budget, backend, tpot=tpot, held=100, full=400)
+        r["bandwidth_floor"] = {"share_of_floor": share, "floor_ms": share * tpot}
+        r["tpot_vs_plain"] = {"median": 1.0}
+        return r
+
+    runs = [run("full-stock", None, "stock-sdpa", 12.0, 0.5), run("a", 0.25, "sdpa", 8.0, 0.85),
+            run("a", 0.25, "flex", 9.0, 0.75), run("b", 0.25, "sdpa", 8.0, 0.79)]
+    floor = next(f for f in evaluate(runs, [], {"smollm2": 600}) if f["name"] == "bandwidth_smollm2_8k")
+    items = {i["method"]: i for i in floor["items"]}
+    assert items["a"]["pass"] is True and items["a"]["backend"] == "sdpa"  # best backend
+    assert items["b"]["pass"] is False and items["full-stock"]["pass"] is None
+    assert floor["pass"] is False
+
+
+# ---------------------------------------------------------------------------- compression cost
+def test_cost_helpers_on_tiny_states():
+    from kvcompress.bench import cost
+    from kvcompress.presets import get_preset
+
+    assert math.isclose(cost.loglog_slope([1000, 2000, 4000], [1.0, 2.0, 4.0]), 1.0)
+    assert math.isclose(cost.loglog_slope([1000, 2000, 4000], [1.0, 4.0, 16.0]), 2.0)
+    ids = TokenSource(None, TINY_VOCAB).ids(256)
+    states = cost.synthetic_states(256, heads=2, head_dim=16, q_heads=4, window=8, layers=2, token_ids=ids,
+                                   vocab=TINY_VOCAB)
+    assert states[0].keys.shape == (1, 2, 256, 16) and states[0].extras["queries"].shape == (1, 4, 8, 16)
+    configs = {n: get_preset(n, keep_ratio=0.25, on_infeasible="best_effort")
+               for n in ("semanticache-safe", "h2o", "centroidkv")}
+    fed = cost.with_inputs(states, configs["h2o"])  # window 64 > 8: the queries are repeated
+    assert fed[0].extras["queries"].shape[2] == 64 and fed[0].extras["attn_acc"].shape == (1, 2, 256)
+    assert "attn_acc" not in states[0].extras  # the caller's states are untouched
+    doc = cost.cost_rounds(lambda: 2.0, configs, states, rounds=2)
+    for name, rec in doc["presets"].items():
+        assert len(rec["shares"]) == 2 and all(math.isclose(s, c / 2.0) for s, c in zip(rec["shares"], rec["compress_s"]))
+    scal = cost.scaling({"centroidkv": configs["centroidkv"]}, [128, 256], reps=1, heads=2, head_dim=16, q_heads=4,
+                        window=8)
+    assert len(scal["centroidkv"]["seconds"]) == 2 and math.isfinite(scal["centroidkv"]["slope"])

@@ -178,3 +178,26 @@ def timed(fn):
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
+
+
+def plain_twin(model, implementation: str = "sdpa"):
+    """A second module tree over the SAME weights (no copy of any parameter or buffer) running
+    transformers' own ``implementation`` attention, with no hooks: decoding a stock
+    ``DynamicCache`` with it runs no kvcompress code at all, while the caches bound to ``model``
+    keep their hooks and attention. Make it before any cache is bound (hooks are not copied
+    anyway: they are cleared on the twin)."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    twin = copy.deepcopy(model, memo)
+    for module in twin.modules():
+        module._forward_hooks.clear()
+        module._forward_pre_hooks.clear()
+        for name in ("_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(module, name, {}).clear()
+    twin.set_attn_implementation(implementation)
+    return twin
+
+
+def shares_weights(a, b) -> bool:
+    """Every parameter of ``a`` is the very tensor storage of ``b``'s parameter of that name."""
+    pb = dict(b.named_parameters())
+    return all(n in pb and p.data_ptr() == pb[n].data_ptr() for n, p in a.named_parameters())

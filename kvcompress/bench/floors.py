@@ -9,6 +9,9 @@ measured: the run did not include the model, length or budget it needs).
 3. tpot:         SmolLM2 at 8k, budget 0.25: TPOT speedup (best full / best compressed, medians)
                  >= 0.9 x the memory-traffic bound (W + KV_full) / (W + KV_compressed).
 4. compression:  SmolLM2 at 8k, budget 0.25: pipeline time < 5% of the prefill time.
+5. bandwidth:    SmolLM2 at 8k, budget 0.25: the bandwidth floor (weights + KV held, at the
+                 bandwidth measured in the same context) over the TPOT >= 0.8 (best backend);
+                 plain transformers and the uncompressed kvcompress cache reported beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ TPOT_BOUND_SHARE = 0.9
 TPOT_LENGTH = 8192
 COMPRESSION_MAX_SHARE = 0.05
 FLOOR_BUDGET = 0.25
+BANDWIDTH_SHARE = 0.8
 
 
 def _is(x: float | None, y: float) -> bool:
@@ -142,6 +146,32 @@ def compression_floor(runs, contexts) -> dict:
             "threshold": COMPRESSION_MAX_SHARE, "pass": _verdict(items), "items": items}
 
 
+def bandwidth_floor(runs) -> dict:
+    presets, full = _cells(runs, SMOLLM2, TPOT_LENGTH, FLOOR_BUDGET)
+    items = []
+
+    def share(r):
+        return (r.get("bandwidth_floor") or {}).get("share_of_floor")
+
+    for r in full:
+        items.append({"method": r["method"], "backend": r["backend"], "share_of_floor": share(r),
+                      "tpot_vs_plain": (r.get("tpot_vs_plain") or {}).get("median"), "pass": None})
+    for preset, rs in presets.items():
+        best = max(rs, key=lambda r: share(r) or 0.0)
+        items.append({"method": preset, "backend": best["backend"], "share_of_floor": share(best),
+                      "floor_ms": (best.get("bandwidth_floor") or {}).get("floor_ms"),
+                      "tpot_ms": best["tpot"]["median_ms"],
+                      "tpot_vs_plain": (best.get("tpot_vs_plain") or {}).get("median"),
+                      "pass": None if share(best) is None else share(best) >= BANDWIDTH_SHARE})
+    return {"name": "bandwidth_smollm2_8k",
+            "rule": f"{SMOLLM2} at {TPOT_LENGTH} tokens, budget {FLOOR_BUDGET}: (weights + KV held) / measured "
+                    f"bandwidth over the TPOT >= {BANDWIDTH_SHARE} (best backend)",
+            "threshold": BANDWIDTH_SHARE, "pass": _verdict(items), "items": items,
+            "note": "full-stock (plain transformers, no kvcompress code) and full (kvcompress uncompressed) are "
+                    "reported, not judged; tpot_vs_plain = median over rounds of plain step / this step"}
+
+
 def evaluate(runs: list[dict], contexts: list[dict], weights: dict) -> list[dict]:
-    """All four floors; ``weights``: {model: bytes of weights read per token}."""
-    return [kv_floor(runs), attention_floor(runs), tpot_floor(runs, weights), compression_floor(runs, contexts)]
+    """All five floors; ``weights``: {model: bytes of weights read per token}."""
+    return [kv_floor(runs), attention_floor(runs), tpot_floor(runs, weights), compression_floor(runs, contexts),
+            bandwidth_floor(runs)]

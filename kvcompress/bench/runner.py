@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,7 @@ import torch
 
 from ..validation import check_choice, check_int, check_range, require
 from . import caches as C
+from .bandwidth import floor_ms, measure_bandwidth
 from .floors import FLOOR_BUDGET, evaluate
 from .machine import describe_machine, load_average
 from .memory import METHOD_DOC, PeakRSS, rss_bytes
@@ -34,7 +36,9 @@ class BenchSettings:
     lengths:           for models that are prefilled (SmolLM2, tiny)
     synthetic_lengths: for the synthetic Llama-3-8B stack (random keys/values, no prefill)
     warmup:            untimed decode steps per cache before the timed ones (flex compiles there)
-    stock:             also decode with transformers' DynamicCache (the stock full cache)
+    stock:             also decode with transformers' DynamicCache through transformers' own SDPA
+                       attention (a twin of the model over the same weights, no kvcompress code)
+    bandwidth_bytes:   buffer streamed to measure the machine's bandwidth floor (0: skip)
     profile:           torch.profiler / cProfile summaries at each model's longest context
     """
 
@@ -50,6 +54,7 @@ class BenchSettings:
     attention_reps: int = 5
     dtype: str = "float32"
     stock: bool = True
+    bandwidth_bytes: int = 512 * 1024 * 1024
     on_infeasible: str = "best_effort"
     profile: bool = True
     text: str | None = None
@@ -82,6 +87,7 @@ class BenchSettings:
         check_choice("on_infeasible", self.on_infeasible, ("error", "best_effort"))
         if self.threads is not None:
             check_int("threads", self.threads, 1)
+        check_int("bandwidth_bytes", self.bandwidth_bytes, 0)
 
 
 @dataclass
@@ -120,6 +126,7 @@ class Benchmark:
         self.s = settings
         self.out = None if out is None else Path(out)
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._plain: dict = {}  # model name -> its twin running plain transformers attention
         self.results = {
             "benchmark": "kvcompress efficiency: decode speed, memory and compression cost",
             "command": command,
@@ -129,6 +136,13 @@ class Benchmark:
             "timing_method": ("TPOT: median of the timed greedy decode steps through the whole model (lm_head "
                               "included), caches stepped round robin; attention alone: every layer's decode "
                               "attention (L=1) over the cache as held, min/median of reps after a warm-up"),
+            "baseline_method": ("full-stock = plain transformers: the stock DynamicCache decoded by a twin of "
+                                "the model over the same weights with attn_implementation='sdpa' and no hooks "
+                                "(no kvcompress code in the path); tpot_vs_plain = per round, the plain step's "
+                                "time over this method's step of the same round, median over rounds"),
+            "floor_method": ("bandwidth floor: (weights read per token + KV bytes held) / the bandwidth measured "
+                             "in the same context (kvcompress.bench.bandwidth, the faster of a sum and a gemv "
+                             "over a buffer far larger than the caches); share_of_floor = floor / TPOT"),
             "models": {},
             "contexts": [],
             "runs": [],
@@ -169,6 +183,8 @@ class Benchmark:
         from ..hf.support import ModelGeometry
 
         geo = ModelGeometry.of(loaded.model)
+        if self.s.stock:
+            self._plain[name] = C.plain_twin(loaded.model)  # before any cache binds (and hooks) the model
         self.results["models"][name] = {
             "description": loaded.description, "geometry": asdict(geo), "dtype": self.s.dtype,
             "parameters": sum(p.numel() for p in loaded.model.parameters()),
@@ -208,6 +224,8 @@ class Benchmark:
         ids = source.ids(length + 1)  # the cache holds `length` tokens; decoding starts at the next
         context = {"model": loaded.name, "length": length, "load_average_start": load_average(),
                    "source": "prefill" if loaded.prefill else "random"}
+        if s.bandwidth_bytes:
+            context["bandwidth_start"] = measure_bandwidth(s.bandwidth_bytes)
         self.log(f"{loaded.name} @ {length} tokens: {'prefill' if loaded.prefill else 'random keys/values'} ...")
         with PeakRSS() as mem:
             if loaded.prefill:
@@ -222,16 +240,23 @@ class Benchmark:
         context["prefill_rss_delta"] = mem.delta
         first = ids[:, length:]
         variants = self._build(model, snap, configs, loaded.name, length)
-        self._warm(variants, model, first, key)
+        self._warm(variants, model, first, key, loaded.name)
         bar = _bar(s.decode_tokens, f"{loaded.name}@{length} decode x{len(variants)}", s.progress)
         try:
-            round_robin([v.stream for v in variants], s.decode_tokens, bar)
+            context["round_load_average"] = round_robin([v.stream for v in variants], s.decode_tokens, bar)
         finally:
             bar.close()
         attention = self._attention(variants, snap.geometry.num_q_heads)
         context["load_average_end"] = load_average()
+        if s.bandwidth_bytes:
+            context["bandwidth_end"] = measure_bandwidth(s.bandwidth_bytes)
+            context["bandwidth_gbps"] = max(context["bandwidth_start"]["gbps"], context["bandwidth_end"]["gbps"])
+        plain = next((v for v in variants if v.method == "full-stock"), None)
+        weights = self.results["models"][loaded.name]["weights_bytes_per_token"]
         context["rss_end"] = rss_bytes()
         records = [self._record(v, loaded.name, length, attention) for v in variants]
+        for v, rec in zip(variants, records):
+            rec.update(_against_plain(v, plain, weights, context.get("bandwidth_gbps")))
         if profile:
             self._profile(variants, snap, configs, loaded.name, length)
         self.results["contexts"].append(context)
@@ -284,12 +309,13 @@ class Benchmark:
             bar.close()
         return out
 
-    def _warm(self, variants: list[_Variant], model, first, key) -> None:
+    def _warm(self, variants: list[_Variant], model, first, key, name: str | None = None) -> None:
         s = self.s
         bar = _bar(len(variants), "warm-up (flex compiles here)", s.progress)
         try:
             for v in variants:
-                v.stream = DecodeStream(model, v.cache, first, key)
+                runner = self._plain.get(name, model) if v.method == "full-stock" else model
+                v.stream = DecodeStream(runner, v.cache, first, key)
                 for _ in range(s.warmup - 1):
                     v.stream.step()
                 with PeakRSS() as mem:
@@ -357,6 +383,22 @@ class Benchmark:
         for preset in self.s.presets:
             prof["compression"][preset] = profile_compression(configs[(preset, budget)], snap.states[0], 0)
         self.results["profiles"][name] = prof
+
+
+def _against_plain(v: _Variant, plain: _Variant | None, weights: int, gbps: float | None) -> dict:
+    """This method's TPOT against plain transformers, round by round, and against the bandwidth floor."""
+    out: dict = {}
+    if plain is not None and v.stream.times and plain.stream.times:
+        ratios = [p / t for p, t in zip(plain.stream.times, v.stream.times) if t > 0]
+        out["tpot_vs_plain"] = {"median": round(statistics.median(ratios), 4),
+                                "per_round": [round(x, 4) for x in ratios]}
+    if gbps and v.stream.times:
+        kv = v.build["kv"]["held"]
+        floor = floor_ms(weights + kv, gbps)
+        tpot = statistics.median(v.stream.times) * 1e3
+        out["bandwidth_floor"] = {"gbps": gbps, "bytes_read": weights + kv, "floor_ms": round(floor, 3),
+                                  "share_of_floor": round(floor / tpot, 4)}
+    return out
 
 
 def run_bench(settings: BenchSettings, out: Path | None = None, log=None, command: str | None = None) -> dict:

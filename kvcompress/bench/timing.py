@@ -54,13 +54,19 @@ def summarize(seconds: list[float]) -> dict:
             "min_ms": round(min(ms), 3), "max_ms": round(max(ms), 3), "steps_ms": [round(x, 2) for x in ms]}
 
 
-def round_robin(streams: list[DecodeStream], steps: int, bar=None) -> None:
-    """``steps`` tokens per stream, one stream after another for each token."""
+def round_robin(streams: list[DecodeStream], steps: int, bar=None) -> list:
+    """``steps`` tokens per stream, one stream after another for each token (a round); returns
+    the 1-minute load average after each round."""
+    from .machine import load_average
+
+    loads = []
     for _ in range(steps):
         for s in streams:
             s.times.append(s.step())
+        loads.append((load_average() or [None])[0])
         if bar is not None:
             bar.update(1)
+    return loads
 
 
 # ---------------------------------------------------------------------------- attention alone
