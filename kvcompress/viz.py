@@ -500,15 +500,23 @@ def vocab_for(ids: Sequence[int], texts: Sequence[str], size: int | None = None)
 
 
 @torch.no_grad()
-def prefill_states(model, input_ids: Tensor, vocab: Sequence[str] | None = None) -> list[KVState]:
-    """Run the model's prefill with a plain transformers DynamicCache and wrap each layer's
-    keys/values [B, H_kv, N, D] (after RoPE) as an uncompressed KVState."""
-    from transformers import DynamicCache
+def prefill_states(model, input_ids: Tensor, vocab: Sequence[str] | None = None, needs=None) -> list[KVState]:
+    """Run the model's prefill into an uncompressed ``CompressedCache`` that records what
+    ``needs`` (a ``kvcompress.protocols.Needs``, e.g. ``pipeline.needs``) asks for, and return
+    one KVState per layer (keys/values [B, H_kv, N, D] after RoPE, in float32). The model is left
+    as it was (the cache is closed)."""
+    from .hf import CompressedCache
+    from .hf.generate import cache_kwarg
 
-    cache = DynamicCache(config=model.config)
-    model(input_ids=input_ids, cache=cache, use_cache=True)
-    return [KVState.from_raw(layer.keys.float(), layer.values.float(), token_ids=input_ids, vocab=vocab)
-            for layer in cache.layers]
+    base = model.base_model
+    with CompressedCache.for_model(model, None, None, vocab=vocab, record=needs) as cache:
+        with torch.inference_mode():
+            base(input_ids=input_ids, use_cache=True, **{cache_kwarg(base): cache})
+        states = cache.states()
+    require(all(st is not None for st in states), "model", "sliding-window layers",
+            "a model whose layers all have full attention (viz shows one compressed layer of them)")
+    return [st.replace(keys=st.keys.float().clone(), values=st.values.float().clone(), token_ids=input_ids,
+                       log_sizes=st.log_sizes.clone(), positions=st.positions.clone()) for st in states]
 
 
 def visualize_text(
@@ -555,7 +563,8 @@ def visualize_ids(
     require(layer_idx < num_layers, "layer_idx", layer_idx, f"a layer index < {num_layers}")
     overrides.setdefault("on_infeasible", "best_effort")
     pipeline = Pipeline(config, **overrides)
-    states = prefill_states(model, input_ids, vocab)
+    states = prefill_states(model, input_ids, vocab, needs=pipeline.needs)
+    pipeline.prepare(states)  # cross-layer guards decide from every layer, as in the cache
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     view, _ = cluster_view(pipeline, states[layer_idx], layer_idx=layer_idx, head=head, texts=texts,
                            title=title or f"What {pipeline.config.name} merged ({Path(str(name)).name})")

@@ -91,7 +91,7 @@ def test_full_preset_generates_like_an_uncompressed_cache(tiny_llama):
     ref, _ = _generate(tiny_llama, None)
     got, cache = _generate(tiny_llama, "full")
     assert torch.equal(got, ref)
-    assert [layer.state().valid.sum(-1).max().item() for layer in cache.layers] == [29, 29]
+    assert [st.valid.sum(-1).max().item() for st in cache.states()] == [29, 29]
 
 
 # one preset per kind of statistic and merger (the others share their code paths)
@@ -102,7 +102,6 @@ def test_preset_runs_in_the_transformers_cache(tiny_llama, name):
         overrides.update(recent=8, query_window=8)
     _, cache = _generate(tiny_llama, name, **overrides)
     assert cache.stats["prefill_compressions"] == 2 and cache.stats["decode_compressions"] >= 2
-    for layer in cache.layers:
-        state = layer.state()
+    for state in cache.states():
         target = cache.pipeline.target_slots(state)
         assert (state.valid.sum(-1) <= target + 2).all()
