@@ -6,7 +6,7 @@
     render_png(view, "viz.png")
 
 Membership is tracked by the pipeline itself, not re-derived: the state gets a one-hot "member"
-extra ``[B, H, N, N]`` (slot n holds token n) and every merger sums per-slot extras over the
+statistic ``[B, H, N, N]`` (slot n holds token n) and every merger sums per-slot stats over the
 members of a cluster, so after any number of rounds slot m's row says exactly which original
 tokens it stands for (CentroidKV's multi-round centroids included). Tokens no slot covers were
 dropped (eviction).
@@ -156,10 +156,10 @@ def cluster_view(
     anchors = state.valid & ~protected & (chunk_ids < 0)
 
     eye = torch.eye(N, dtype=torch.float32, device=state.keys.device)
-    tracked = state.replace(extras={**state.extras, MEMBER_KEY: eye.expand(1, H, N, N).clone()})
+    tracked = state.replace(stats={**state.stats, MEMBER_KEY: eye.expand(1, H, N, N).clone()})
     compressed, report = pipeline.compress(tracked, layer_idx)
 
-    members = compressed.extras.get(MEMBER_KEY)
+    members = compressed.stats.get(MEMBER_KEY)
     M = compressed.num_slots
     if isinstance(members, Tensor) and tuple(members.shape) == (1, H, M, N):
         # share of token n held by slot m: 1 or 0 for mean-style merges; CaM spreads a merged
@@ -220,7 +220,8 @@ def _row(state: KVState, b: int) -> KVState:
               for k, v in state.extras.items()}
     return state.replace(keys=cut(state.keys), values=cut(state.values), log_sizes=cut(state.log_sizes),
                          positions=cut(state.positions), token_ids=cut(state.token_ids),
-                         protected=cut(state.protected), seq_start=cut(state.seq_start), extras=extras)
+                         protected=cut(state.protected), seq_start=cut(state.seq_start), extras=extras,
+                         counts=cut(state.counts), stats={k: cut(v) for k, v in state.stats.items()})
 
 
 def _texts_from_state(state: KVState) -> list[str]:
@@ -499,15 +500,23 @@ def vocab_for(ids: Sequence[int], texts: Sequence[str], size: int | None = None)
 
 
 @torch.no_grad()
-def prefill_states(model, input_ids: Tensor, vocab: Sequence[str] | None = None) -> list[KVState]:
-    """Run the model's prefill with a plain transformers DynamicCache and wrap each layer's
-    keys/values [B, H_kv, N, D] (after RoPE) as an uncompressed KVState."""
-    from transformers import DynamicCache
+def prefill_states(model, input_ids: Tensor, vocab: Sequence[str] | None = None, needs=None) -> list[KVState]:
+    """Run the model's prefill into an uncompressed ``CompressedCache`` that records what
+    ``needs`` (a ``kvcompress.protocols.Needs``, e.g. ``pipeline.needs``) asks for, and return
+    one KVState per layer (keys/values [B, H_kv, N, D] after RoPE, in float32). The model is left
+    as it was (the cache is closed)."""
+    from .hf import CompressedCache
+    from .hf.generate import cache_kwarg
 
-    cache = DynamicCache(config=model.config)
-    model(input_ids=input_ids, cache=cache, use_cache=True)
-    return [KVState.from_raw(layer.keys.float(), layer.values.float(), token_ids=input_ids, vocab=vocab)
-            for layer in cache.layers]
+    base = model.base_model
+    with CompressedCache.for_model(model, None, None, vocab=vocab, record=needs) as cache:
+        with torch.inference_mode():
+            base(input_ids=input_ids, use_cache=True, **{cache_kwarg(base): cache})
+        states = cache.states()
+    require(all(st is not None for st in states), "model", "sliding-window layers",
+            "a model whose layers all have full attention (viz shows one compressed layer of them)")
+    return [st.replace(keys=st.keys.float().clone(), values=st.values.float().clone(), token_ids=input_ids,
+                       log_sizes=st.log_sizes.clone(), positions=st.positions.clone()) for st in states]
 
 
 def visualize_text(
@@ -554,7 +563,8 @@ def visualize_ids(
     require(layer_idx < num_layers, "layer_idx", layer_idx, f"a layer index < {num_layers}")
     overrides.setdefault("on_infeasible", "best_effort")
     pipeline = Pipeline(config, **overrides)
-    states = prefill_states(model, input_ids, vocab)
+    states = prefill_states(model, input_ids, vocab, needs=pipeline.needs)
+    pipeline.prepare(states)  # cross-layer guards decide from every layer, as in the cache
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     view, _ = cluster_view(pipeline, states[layer_idx], layer_idx=layer_idx, head=head, texts=texts,
                            title=title or f"What {pipeline.config.name} merged ({Path(str(name)).name})")

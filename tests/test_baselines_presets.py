@@ -17,12 +17,12 @@ def stats_state(cfg: PipelineConfig, B=2, H=2, Hq=4, N=100, D=8, seed=0) -> KVSt
     mask[1, :4] = 0
     state = KVState.from_raw(torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g),
                              attention_mask=mask)
-    extras = {}
+    extras, stats = {}, {}
     if cfg.query_window:
         extras["queries"] = torch.randn(B, Hq, min(cfg.query_window, N), D, generator=g)
     if cfg.track_attention:
-        extras["attn_acc"] = torch.rand(B, H, N, generator=g).masked_fill(~state.valid, 0)
-    return state.replace(extras=extras)
+        stats["attn_acc"] = torch.rand(B, H, N, generator=g).masked_fill(~state.valid, 0)
+    return state.replace(extras=extras, stats=stats)
 
 
 def test_every_baseline_is_registered():
@@ -91,7 +91,7 @@ def test_full_preset_generates_like_an_uncompressed_cache(tiny_llama):
     ref, _ = _generate(tiny_llama, None)
     got, cache = _generate(tiny_llama, "full")
     assert torch.equal(got, ref)
-    assert [layer.state().valid.sum(-1).max().item() for layer in cache.layers] == [29, 29]
+    assert [st.valid.sum(-1).max().item() for st in cache.states()] == [29, 29]
 
 
 # one preset per kind of statistic and merger (the others share their code paths)
@@ -102,7 +102,6 @@ def test_preset_runs_in_the_transformers_cache(tiny_llama, name):
         overrides.update(recent=8, query_window=8)
     _, cache = _generate(tiny_llama, name, **overrides)
     assert cache.stats["prefill_compressions"] == 2 and cache.stats["decode_compressions"] >= 2
-    for layer in cache.layers:
-        state = layer.state()
+    for state in cache.states():
         target = cache.pipeline.target_slots(state)
         assert (state.valid.sum(-1) <= target + 2).all()

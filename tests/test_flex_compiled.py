@@ -179,9 +179,9 @@ def test_auto_probe_on_cpu_picks_a_backend_and_caches_it():
 def test_each_signature_gets_its_own_kernel():
     """Separate code objects keep dynamo's per-function recompile limit out of reach."""
     q, k, v, _ = random_inputs(1, 4, 2, 1, 8, 32)
-    a = flex._kernel_for(q, k, v)
-    assert flex._kernel_for(q, k[:, :, :5], v[:, :, :5]) is a  # N is not part of it
-    b = flex._kernel_for(q.double(), k.double(), v.double())
-    c = flex._kernel_for(q.expand(3, 4, 1, 32), k.expand(3, 2, 8, 32), v.expand(3, 2, 8, 32))
+    a = flex.kernels._kernel_for(q, k, v)
+    assert flex.kernels._kernel_for(q, k[:, :, :5], v[:, :, :5]) is a  # N is not part of it
+    b = flex.kernels._kernel_for(q.double(), k.double(), v.double())
+    c = flex.kernels._kernel_for(q.expand(3, 4, 1, 32), k.expand(3, 2, 8, 32), v.expand(3, 2, 8, 32))
     assert len({id(a), id(b), id(c)}) == 3
     assert len({id(f.__wrapped__.__code__) for f in (a, b, c)}) == 3  # dynamo caches per code

@@ -22,12 +22,12 @@ def clean_state(monkeypatch):
 
 
 def test_device_rules():
-    assert flex._rule("cuda", (64, 64)) == "flex"
-    assert flex._rule("cuda", (16, 16)) == "flex"  # the small-dim bug is the CPU kernel's
-    assert flex._rule("mps", (64, 64)) == "sdpa"
-    assert flex._rule("cpu", (16, 64)) == "sdpa"
-    assert flex._rule("cpu", (64, 16)) == "sdpa"
-    assert flex._rule("cpu", (64, 64)) is None  # probe
+    assert flex.chooser._rule("cuda", (64, 64)) == "flex"
+    assert flex.chooser._rule("cuda", (16, 16)) == "flex"  # the small-dim bug is the CPU kernel's
+    assert flex.chooser._rule("mps", (64, 64)) == "sdpa"
+    assert flex.chooser._rule("cpu", (16, 64)) == "sdpa"
+    assert flex.chooser._rule("cpu", (64, 16)) == "sdpa"
+    assert flex.chooser._rule("cpu", (64, 64)) is None  # probe
 
 
 def test_override_and_environment(monkeypatch):
@@ -57,7 +57,7 @@ def test_explicit_sdpa_backend_is_the_reference():
 
 
 def test_small_cpu_head_dims_use_sdpa_without_probing(monkeypatch):
-    monkeypatch.setattr(flex, "_probe", lambda *a: pytest.fail("probed"))
+    monkeypatch.setattr(flex.chooser, "_probe", lambda *a: pytest.fail("probed"))
     q, k, v, ls = random_inputs(1, 4, 2, 1, 10, 16)
     out = flex.auto_proportional_attention(q, k, v, ls)
     torch.testing.assert_close(out, proportional_attention(q, k, v, ls))
@@ -70,7 +70,7 @@ def test_probe_runs_once_per_bucket(monkeypatch):
         calls.append(keys.shape[2])
         return flex.BackendDecision("sdpa", "probe", 2.0, 1.0)
 
-    monkeypatch.setattr(flex, "_probe", fake_probe)
+    monkeypatch.setattr(flex.chooser, "_probe", fake_probe)
     q, k, v, ls = random_inputs(1, 4, 2, 1, 300, 32)
     for n in (300, 301, 400, 512):  # one bucket: N in (256, 512]
         assert flex.choose_backend(q, k[:, :, :n], v[:, :, :n], ls[:, :, :n]) == "sdpa"
@@ -93,15 +93,15 @@ def test_probe_keeps_sdpa_when_flex_fails_or_disagrees(monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(flex, "flex_proportional_attention", broken)
+    monkeypatch.setattr(flex.chooser, "flex_proportional_attention", broken)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
-        decision = flex._probe(q, k, v, ls, {})
+        decision = flex.chooser._probe(q, k, v, ls, {})
     assert (decision.backend, decision.reason) == ("sdpa", "flex failed")
 
-    monkeypatch.setattr(flex, "flex_proportional_attention",
+    monkeypatch.setattr(flex.chooser, "flex_proportional_attention",
                         lambda *a, **kw: flex.sdpa_proportional_attention(*a, **kw) + 0.1)
     with pytest.warns(RuntimeWarning, match="disagrees"):
-        decision = flex._probe(q, k, v, ls, {})
+        decision = flex.chooser._probe(q, k, v, ls, {})
     assert (decision.backend, decision.reason) == ("sdpa", "flex disagreed")
 
     # Agreeing and faster: flex wins. A fake clock that each backend advances makes the
@@ -115,10 +115,31 @@ def test_probe_keeps_sdpa_when_flex_fails_or_disagrees(monkeypatch):
             return real_sdpa(*a, **kw)
         return run
 
-    monkeypatch.setattr(flex.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(flex, "flex_proportional_attention", timed_backend(0.001))
-    monkeypatch.setattr(flex, "sdpa_proportional_attention", timed_backend(0.003))
-    decision = flex._probe(q, k, v, ls, {})
+    monkeypatch.setattr(flex.chooser.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(flex.chooser, "flex_proportional_attention", timed_backend(0.001))
+    monkeypatch.setattr(flex.chooser, "sdpa_proportional_attention", timed_backend(0.003))
+    decision = flex.chooser._probe(q, k, v, ls, {})
     assert decision == flex.BackendDecision("flex", "probe", pytest.approx(1.0), pytest.approx(3.0))
-    monkeypatch.setattr(flex, "flex_proportional_attention", timed_backend(0.005))
-    assert flex._probe(q, k, v, ls, {}).backend == "sdpa"
+    monkeypatch.setattr(flex.chooser, "flex_proportional_attention", timed_backend(0.005))
+    assert flex.chooser._probe(q, k, v, ls, {}).backend == "sdpa"
+
+
+def test_each_chooser_keeps_its_own_decisions_and_override(monkeypatch):
+    """Two owners (e.g. two caches) never share probe results or overrides."""
+    calls = []
+
+    def fake_probe(query, keys, values, log_sizes, kwargs):
+        calls.append(len(calls))
+        return flex.BackendDecision("sdpa", "probe", 2.0, 1.0)
+
+    a, b = flex.BackendChooser(probe=fake_probe), flex.BackendChooser(probe=fake_probe)
+    q, k, v, ls = random_inputs(1, 4, 2, 1, 300, 32)
+    assert a.choose(q, k, v, ls) == "sdpa" and b.choose(q, k, v, ls) == "sdpa"
+    assert calls == [0, 1] and len(a.decisions()) == len(b.decisions()) == 1
+    assert flex.backend_decisions() == {}  # the default chooser saw nothing
+    a.override = "flex"
+    assert a.choose(q, k, v, ls) == "flex" and b.choose(q, k, v, ls) == "sdpa"
+    a.clear()
+    assert a.decisions() == {} and len(b.decisions()) == 1
+    with pytest.raises(ValueError, match="backend"):
+        flex.BackendChooser(override="eager")

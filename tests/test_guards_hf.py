@@ -16,9 +16,8 @@ SAFE = dict(keep_ratio=0.5, sinks=2, recent=4, chunker={"name": "fixed", "params
             guards=[GUARD], query_window=4, recompress_every=4)
 
 
-def _guarded_positions(layer) -> list[set]:
-    st = layer.state()
-    mark = st.extras[GUARD_MARK] > 0  # [B, H, N]
+def _guarded_positions(st) -> list[set]:
+    mark = st.stats[GUARD_MARK] > 0  # [B, H, N]
     return [set(st.positions[0, h][mark[0, h]].tolist()) for h in range(st.num_heads)]
 
 
@@ -31,11 +30,10 @@ def test_every_layer_and_head_protects_the_same_tokens_and_budget_is_met():
     chosen = cache.pipeline.guards[0].chosen_tokens()[0].nonzero().squeeze(1).tolist()
     assert chosen, "the guard chose no sentence"
     assert len(chosen) <= int(0.4 * 40)
-    for layer in cache.layers:
-        assert all(p == set(chosen) for p in _guarded_positions(layer))
-        st = layer.state()
+    for layer, st in zip(cache.layers, cache.states()):
+        assert all(p == set(chosen) for p in _guarded_positions(st))
         sizes = st.log_sizes.exp()
-        mark = st.extras[GUARD_MARK] > 0
+        mark = st.stats[GUARD_MARK] > 0
         assert bool((sizes[mark] == 1).all())  # guarded slots hold one token each
         assert bool((layer.valid_slots() <= 40).all())
     assert cache.stats["prefill_compressions"] == 3
@@ -50,5 +48,5 @@ def test_guarded_tokens_survive_decode_time_compression():
                        max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert cache.stats["decode_compressions"] > 0
     chosen = set(cache.pipeline.guards[0].chosen_tokens()[0].nonzero().squeeze(1).tolist())
-    for layer in cache.layers:
-        assert all(p == chosen for p in _guarded_positions(layer))
+    for st in cache.states():
+        assert all(p == chosen for p in _guarded_positions(st))

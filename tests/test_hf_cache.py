@@ -128,7 +128,7 @@ def test_decode_time_compression_keeps_the_budget_and_stays_exact():
     T = cache.get_seq_length()
     assert T == out.shape[1] - 1
     for layer in cache.layers:
-        budget = cache.decoder.budget(layer.state(), layer.layer_idx)
+        budget = cache.decoder.budget(cache.layer_state(layer.layer_idx), layer.layer_idx)
         assert bool((layer.valid_slots() <= budget + 4).all())
     ref = expanded_reference(cache, model.config)
     nxt = out[:, -1:]
@@ -246,6 +246,6 @@ def test_token_texts_are_built_once_per_tokenizer_and_feed_the_delimiter_chunker
     ids = tok("the secret code word is pineapple . " * 8, return_tensors="pt")["input_ids"]
     _step(model, ids, cache)
     dot = tok.convert_tokens_to_ids(".")
-    kept = cache.layers[0].state().slot_token_ids()
+    kept = cache.layer_state(0).slot_token_ids()
     assert int((kept == dot).sum()) == 2 * 8  # every delimiter survives as an anchor, in both heads
     assert cache.layers[0].n < ids.shape[1]

@@ -110,7 +110,7 @@ def expanded_reference(cache: CompressedCache, config) -> DynamicCache:
     """
     ref = DynamicCache(config=config)
     for idx, layer in enumerate(cache.layers):
-        keys, values, log_sizes = expand_state(layer.state())
+        keys, values, log_sizes = expand_state(cache.layer_state(idx))
         assert bool((log_sizes == 0).all()), "the expanded reference needs rows of equal token counts"
         ref.update(keys, values, idx)
     return ref

@@ -87,18 +87,9 @@ def stock_cache(model, snapshot: Snapshot):
 def uncompressed_cache(model, snapshot: Snapshot, backend: str):
     """A ``CompressedCache`` without a pipeline holding the snapshot, bound to ``model``."""
     from ..hf import CompressedCache
-    from ..hf.attention import STEP_KEY
 
-    cache = CompressedCache(None, num_layers=len(snapshot.states), vocab=snapshot.vocab, backend=backend,
-                            geometry=snapshot.geometry)
-    with torch.inference_mode():
-        cache.set_inputs(input_ids=snapshot.token_ids)
-        for i, (layer, st) in enumerate(zip(cache.layers, snapshot.states)):
-            kwargs: dict = {}
-            layer.update(st.keys, st.values, i, kwargs=kwargs)
-            kwargs[STEP_KEY].finish(st.keys.new_zeros(0), None)
-    cache.bind(model)
-    return cache
+    return CompressedCache.from_states(snapshot.states, None, vocab=snapshot.vocab, backend=backend,
+                                       geometry=snapshot.geometry, model=model)
 
 
 @dataclasses.dataclass
@@ -126,20 +117,14 @@ def compressed_cache(model, snapshot: Snapshot, config, backend: str) -> Built:
 
 
 def clone_cache(cache, model, backend: str | None = None):
-    """An independent deep copy of a bound ``CompressedCache`` (pipeline shared), bound to
-    ``model``; ``backend`` replaces the copy's attention backend."""
-    require(hasattr(cache, "layers") and hasattr(cache, "bind"), "cache", type(cache).__name__,
-            "a kvcompress CompressedCache")
-    cache.close()  # hooks cannot be deep-copied; both caches are bound again below
-    try:
-        memo = {id(cache.pipeline): cache.pipeline, id(cache.decoder): cache.decoder, id(cache.vocab): cache.vocab}
-        with torch.inference_mode():
-            twin = copy.deepcopy(cache, memo)
-    finally:
-        cache.bind(model)
+    """An independent deep copy of a bound ``CompressedCache`` (pipeline shared), bound to the
+    same model; ``backend`` replaces the copy's attention backend."""
+    from ..hf import Backends, CompressedCache
+
+    require(isinstance(cache, CompressedCache), "cache", type(cache).__name__, "a kvcompress CompressedCache")
+    twin = copy.deepcopy(cache)
     if backend is not None:
-        twin.backend = backend
-    twin.bind(model)
+        twin.backends = Backends(backend)
     return twin
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..hf import compile_count, resolve_backend
+from ..hf import Backends, compile_count
 
 
 class DecodeStream:
@@ -96,7 +96,7 @@ def attention_time(layers, num_q_heads: int, backend: str, *, reps: int = 5, see
             calls.append(lambda q=q, k=keys, v=values, s=scale: F.scaled_dot_product_attention(
                 q, k, v, scale=s, enable_gqa=True))
         else:
-            fn = resolve_backend(backend, keys.device)
+            fn = Backends(backend)
             if ls is None:
                 ls = torch.zeros(B, H, N, dtype=torch.float32, device=keys.device)
             calls.append(lambda q=q, k=keys, v=values, ls=ls, s=scale, fn=fn: fn(

@@ -1,17 +1,17 @@
 """Prefill once, compress copies: the evaluation's use of ``kvcompress.hf``.
 
-``Recorder`` prefills a prompt into an uncompressed ``CompressedCache`` (compression disabled) that
-also collects what the methods' scorers need (the last queries of each layer, the attention each
-token received). ``snapshot()`` freezes the per-layer ``KVState``s. ``compressed_copy`` then builds,
-for any pipeline, a fresh cache holding that snapshot compressed, as if the pipeline had run in
-the prefill: every layer is handed to the cache through its ordinary ``update`` and compresses in
-its after-attention step, exactly the code path of a real prefill, but without running the model.
-The copy is then bound to the model for decoding. One model prefill serves every method.
+``Recorder`` prefills a prompt into an uncompressed ``CompressedCache`` (no pipeline) that records
+what the methods need (``Needs``: the last queries of each layer, strided reference queries, the
+attention each token received). ``snapshot()`` freezes the per-layer ``KVState``s
+(``cache.states()``). ``compressed_copy`` then builds, for any pipeline, a new cache from that
+snapshot with ``CompressedCache.from_states`` and compresses it with ``cache.compress()``: the
+prefill rule of a real prefill (cross-layer guards see every layer), without running the model.
+The copy is bound to the model for decoding. One model prefill serves every method.
 
 ``_EvalPipeline`` (a ``Pipeline``) can protect token spans in every layer and head (an oracle
 that knows where the needle is) and traces span markers through the merge: a per-slot count
-of marked tokens that merging sums over members, so after compression each slot says how many
-needle tokens it holds and how many tokens in all.
+of marked tokens that merging sums over members (a stat), so after compression each slot says
+how many needle tokens it holds and how many tokens in all.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..config import PipelineConfig
 from ..pipeline import Pipeline
+from ..protocols import Needs
 from ..types import KVState
 from ..validation import require
 
@@ -35,7 +36,7 @@ class Snapshot:
     """Per-layer states of an uncompressed prefill (cloned: later appends cannot touch them).
 
     states:    one KVState per layer, keys/values [B, H, T, D]; extras may hold "queries"
-               [B, Hq, W, D] and "attn_acc" [B, H, T]
+               [B, Hq, W, D] and "reference_queries" [B, Hq, R, D], stats "attn_acc" [B, H, T]
     token_ids: [B, T] long
     """
 
@@ -50,11 +51,15 @@ class Snapshot:
         return int(self.token_ids.shape[1])
 
 
+def recording_needs(configs) -> Needs:
+    """What a recorder must record to serve every config (their pipelines' ``needs``)."""
+    return Needs.union(Pipeline(c).needs for c in configs)
+
+
 def needs_of(configs) -> tuple[int, bool]:
     """(query window, track attention) a recorder needs to serve every config."""
-    window = max([c.query_window for c in configs] + [0])
-    track = any(c.track_attention for c in configs)
-    return window, track
+    needs = recording_needs(configs)
+    return needs.query_window, needs.attention
 
 
 class Recorder:
@@ -63,17 +68,19 @@ class Recorder:
         rec = Recorder(model, tokenizer, query_window=32, track_attention=False)
         rec.feed(ids)            # [1, T] long: one model prefill
         snap = rec.snapshot()
+
+    needs: what to record (overrides query_window / track_attention), e.g. ``recording_needs(configs)``
     """
 
     def __init__(self, model, tokenizer=None, *, query_window: int = 0, track_attention: bool = False,
-                 backend: str = "auto", vocab=None):
+                 backend: str = "auto", vocab=None, needs: Needs | None = None):
         from ..hf import CompressedCache
 
-        config = PipelineConfig(name="eval-recorder", keep_ratio=1.0, sinks=0, clusterer="keep", merger="identity",
-                                query_window=query_window, track_attention=track_attention)
+        if needs is None:
+            needs = Needs(query_window=query_window, attention=track_attention)
+        self.needs = needs
         self.model = model
-        self.cache = CompressedCache.for_model(model, tokenizer, config, backend=backend, vocab=vocab)
-        self.cache.enabled = False  # record only: never compress
+        self.cache = CompressedCache.for_model(model, tokenizer, None, backend=backend, vocab=vocab, record=needs)
         self.backend = backend
         self.forwards = 0
         self.prefill_s = 0.0
@@ -94,13 +101,14 @@ class Recorder:
 
     def snapshot(self) -> Snapshot:
         states = []
-        for layer in self.cache.layers:
-            st = layer.state()
+        for st in self.cache.states():
+            require(st is not None, "model", "a sliding-window layer", "full-attention layers only for a Recorder")
             extras = {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.extras.items()
-                      if k in ("queries", "attn_acc")}
+                      if k in ("queries", "reference_queries")}
+            stats = {k: v.clone() for k, v in st.stats.items() if k == "attn_acc"}
             states.append(st.replace(keys=st.keys.clone(), values=st.values.clone(),
                                      log_sizes=st.log_sizes.clone(), positions=st.positions.clone(),
-                                     token_ids=st.token_ids.clone(), extras=extras))
+                                     token_ids=st.token_ids.clone(), extras=extras, stats=stats))
         return Snapshot(states=states, token_ids=self.cache.token_ids.clone(), vocab=self.cache.vocab,
                         geometry=self.cache.geometry, backend=self.backend)
 
@@ -126,19 +134,19 @@ class _EvalPipeline(Pipeline):
         if not self.protect and not self.marks:
             return super().compress(state, layer_idx)
         pos = state.positions  # [B, H, N]; before the first compression a slot is one token
-        extras = dict(state.extras)
+        stats = dict(state.stats)
         for name, (a, b) in self.marks.items():
-            extras[MARK_PREFIX + name] = ((pos >= a) & (pos < b)).float()
+            stats[MARK_PREFIX + name] = ((pos >= a) & (pos < b)).float()
         protected = state.protected
         for a, b in self.protect:
             span = state.valid & (pos >= a) & (pos < b)
             protected = span if protected is None else protected | span
-        out, report = super().compress(state.replace(extras=extras, protected=protected), layer_idx)
+        out, report = super().compress(state.replace(stats=stats, protected=protected), layer_idx)
         if self.marks:
-            self.traces[layer_idx] = {name: trace_mark(out, out.extras[MARK_PREFIX + name], b - a)
+            self.traces[layer_idx] = {name: trace_mark(out, out.stats[MARK_PREFIX + name], b - a)
                                       for name, (a, b) in self.marks.items()}
-        clean = {k: v for k, v in out.extras.items() if not k.startswith(MARK_PREFIX)}
-        return out.replace(extras=clean, protected=None), report
+        clean = {k: v for k, v in out.stats.items() if not k.startswith(MARK_PREFIX)}
+        return out.replace(stats=clean, protected=None), report
 
 
 def trace_mark(state: KVState, count: Tensor, length: int) -> dict:
@@ -178,38 +186,49 @@ class Copy:
     trace: dict = field(default_factory=dict)  # mark name -> means over layers of trace_mark
 
 
+def _as_needed(state: KVState, needs: Needs, name: str) -> KVState:
+    """The snapshot's state with what this pipeline needs: its query window (the last W
+    queries), reference queries and attention statistics, nothing more."""
+    queries = state.extras.get("queries")
+    window = needs.query_window
+    require(window == 0 or (queries is not None and queries.shape[2] >= min(window, state.num_tokens)),
+            "snapshot", f"query window {0 if queries is None else queries.shape[2]}",
+            f"a recorder with query_window >= {window} for pipeline {name!r}")
+    reference = state.extras.get("reference_queries")
+    R = needs.reference_queries
+    require(R == 0 or (reference is not None and reference.shape[2] == R), "snapshot",
+            f"reference queries {None if reference is None else reference.shape[2]}",
+            f"a recorder with reference_queries == {R} for pipeline {name!r}")
+    require(not needs.attention or "attn_acc" in state.stats, "snapshot", "no attention statistics",
+            f"a recorder with track_attention=True for pipeline {name!r}")
+    extras = {k: v for k, v in state.extras.items() if k not in ("queries", "reference_queries")}
+    if window:
+        extras["queries"] = queries[:, :, -window:]
+    if R:
+        extras["reference_queries"] = reference
+    stats = {k: v for k, v in state.stats.items() if k != "attn_acc" or needs.attention}
+    return state.replace(extras=extras, stats=stats)
+
+
 def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protect=(), marks=None) -> Copy:
     """A new cache for ``model`` holding ``snapshot`` compressed by ``config``.
 
     The snapshot is not modified. protect / marks: token spans, see ``_EvalPipeline``.
     """
     from ..hf import CompressedCache
-    from ..hf.attention import STEP_KEY
 
     pipe = _EvalPipeline(config, protect=protect, marks=marks)
-    cache = CompressedCache(pipe, num_layers=len(snapshot.states), vocab=snapshot.vocab, backend=snapshot.backend,
-                            geometry=snapshot.geometry)
-    window, track = config.query_window, config.track_attention
+    states = [_as_needed(st, pipe.needs, config.name) for st in snapshot.states]
+    cache = CompressedCache.from_states(states, pipe, vocab=snapshot.vocab, backend=snapshot.backend,
+                                        geometry=snapshot.geometry)
     start = time.perf_counter()
     with torch.inference_mode():
-        cache.set_inputs(input_ids=snapshot.token_ids)
-        for i, (layer, st) in enumerate(zip(cache.layers, snapshot.states)):
-            queries = st.extras.get("queries")
-            require(window == 0 or (queries is not None and queries.shape[2] >= min(window, st.num_tokens)),
-                    "snapshot", f"query window {0 if queries is None else queries.shape[2]}",
-                    f"a recorder with query_window >= {window} for pipeline {config.name!r}")
-            received = st.extras.get("attn_acc") if track else None
-            require(not track or received is not None, "snapshot", "no attention statistics",
-                    f"a recorder with track_attention=True for pipeline {config.name!r}")
-            kwargs: dict = {}
-            layer.update(st.keys, st.values, i, kwargs=kwargs)
-            step = kwargs[STEP_KEY]
-            step.finish(queries if queries is not None else st.keys.new_zeros(0), received)
+        cache.compress()
     compress_s = time.perf_counter() - start
     cache.bind(model)
 
     ratios, met = [], True
-    for layer in cache.layers:
+    for layer in (cache.layers[i] for i in cache.compressed_layer_ids()):
         tokens = max(layer.num_tokens - (0 if cache.seq_start is None else int(cache.seq_start.max())), 1)
         ratios.append(layer.valid_slots().float() / tokens)  # [B, H]
         report = layer.last_report

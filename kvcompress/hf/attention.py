@@ -3,103 +3,114 @@
 Registered explicitly (``register_attention()``; ``CompressedCache.for_model`` calls it), never
 at import time:
 
-    "kvcompress"       backend chosen automatically (FlexAttention on CUDA; on CPU the faster one)
+    "kvcompress"       backend chosen by the cache (FlexAttention on CUDA; on CPU the faster one)
     "kvcompress_flex"  FlexAttention through torch.compile
     "kvcompress_bias"  SDPA with an additive float32 log-size bias
 
 Each is registered with ``sdpa_mask`` as its mask function, so padding reaches the model's mask.
-A layer of ``CompressedCache`` puts a ``LayerStep`` into the kwargs dict its attention module
-hands to ``cache.update``; that dict is the one the attention function receives. Without a step
-(no cache, or a stock cache) the functions behave exactly like transformers' "sdpa".
+
+The attention function only attends and records. For a layer of a ``CompressedCache`` the cache
+hands it an ``AttentionRequest`` (in the kwargs dict the attention module passes to
+``cache.update``, or, for models whose attention passes no kwargs there, found by the keys the
+cache returned). The request says which keys' biases to add, whether the stock kernel is exact,
+and what to record (the queries, the attention each slot received); the function fills it in and
+returns. It never calls back into the cache: the cache reads the request later and decides
+whether to compress. Without a request (no cache, a stock cache, a sliding-window layer) the
+functions behave exactly like transformers' "sdpa".
 
 Paths, per layer and forward:
 - prefill of an empty layer (nothing merged yet): stock memory-efficient SDPA with the model's
   causal/padding mask; no [L, N] float bias is ever built for a long prompt;
-- otherwise: softmax(q K^T * scale + log s) V over the layer's own slots, causal bottom-right in
-  slot space for a multi-token input, GQA by grouping query heads (keys never repeated).
+- otherwise: softmax(q K^T * scale + bias) V over the layer's own slots (bias = log_sizes),
+  causal bottom-right in slot space for a multi-token input, GQA by grouping query heads.
 """
 
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from ..attention import proportional_attention
-from ..validation import check_choice
 from .support import ATTN_AUTO, ATTN_BIAS, ATTN_FLEX
 
-STEP_KEY = "kvcompress_step"
-BACKENDS = ("auto", "flex", "sdpa")
+REQUEST_KEY = "kvcompress_request"
 
-# signature shared with kvcompress.flex:
-#   fn(query [B, Hq, L, D], keys [B, Hkv, N, D], values [B, Hkv, N, Dv], log_sizes [B, Hkv, N],
-#      *, scale, causal, use_sizes) -> [B, Hq, L, Dv]
-AttentionFn = Callable[..., Tensor]
-
-
-def _reference_sdpa(query, keys, values, log_sizes, *, scale, causal, use_sizes):
-    return proportional_attention(query, keys, values, log_sizes, causal=causal, scale=scale, use_sizes=use_sizes)
+# the cache whose forward is running (set by a bound cache's forward pre-hook, reset by its
+# post-hook): lets the attention function find the request of models whose attention module
+# does not hand its kwargs to cache.update (GPT-NeoX)
+ACTIVE_CACHE: ContextVar = ContextVar("kvcompress_active_cache", default=None)
 
 
-def _flex_module():
-    try:
-        from .. import flex  # noqa: PLC0415 - optional sibling module, imported on first use
-    except ImportError:
-        return None
-    return flex
+@dataclass
+class AttentionRequest:
+    """One layer's attention in one forward: what to attend with and what to record.
+
+    keys:        [B, H, N_view, D] the view the cache returned (identifies the request)
+    log_sizes:   [B, H, N_view] float32 per-slot bias (-inf = padding / unused)
+    fresh:       the layer was empty: a prefill over nothing merged
+    compressed:  slots != tokens (merged or compacted) before this forward's tokens
+    causal:      bottom-right causal in slot space (multi-token inputs)
+    use_sizes:   add the bias (False: proportional attention off, padding still masked)
+    attend:      fn(query, keys, values, log_sizes, *, scale, causal, use_sizes, backend) -> out,
+                 the cache's backend chooser
+    query_window / reference_queries: queries to keep (see ``record``)
+    track_attention: compute the attention each slot receives
+    query_valid: [B, q] bool or None (False for padding queries)
+    seq_start:   [B] long or None, first real token of each row (for the reference stride)
+    """
+
+    keys: Tensor
+    log_sizes: Tensor
+    fresh: bool
+    compressed: bool
+    causal: bool
+    use_sizes: bool
+    attend: Callable[..., Tensor]
+    query_window: int = 0
+    reference_queries: int = 0
+    track_attention: bool = False
+    query_valid: Tensor | None = None
+    seq_start: Tensor | None = None
+    # filled in by the attention function
+    done: bool = False
+    queries: Tensor | None = None  # [B, Hq, min(W, q), D]
+    reference: Tensor | None = None  # [B, Hq, R, D]
+    received: Tensor | None = None  # [B, H, N_view] float32
+
+    def stock_is_exact(self, attention_mask, num_keys: int) -> bool:
+        """Stock SDPA with the model's mask is exact when no slot is merged and the mask was
+        built for exactly this layer's slots."""
+        if self.fresh:
+            return True
+        return (not self.compressed and self.causal and isinstance(attention_mask, Tensor)
+                and attention_mask.dim() == 4 and attention_mask.shape[-1] == num_keys)
+
+    def record(self, query: Tensor, received: Tensor | None) -> None:
+        """Keep what was asked for of this forward's queries [B, Hq, q, D] (rotated, unscaled)."""
+        q = query.detach()
+        if self.query_window > 0:
+            self.queries = q[:, :, -self.query_window:].contiguous()
+        if self.reference_queries > 0:
+            self.reference = strided_queries(q, self.reference_queries, self.seq_start)
+        self.received = received
+        self.done = True
 
 
-_RESOLVED: dict[tuple[str, str], AttentionFn] = {}
-
-
-def resolve_backend(backend: str, device: torch.device) -> AttentionFn:
-    """The attention function for ``backend`` ("auto", "flex" or "sdpa") on ``device``."""
-    check_choice("backend", backend, BACKENDS)
-    key = (backend, torch.device(device).type)
-    if key in _RESOLVED:
-        return _RESOLVED[key]
-    if backend == "sdpa":
-        fn = _reference_sdpa  # no import of kvcompress.flex: it pulls in torch.compile (seconds)
-    elif backend == "flex":
-        flex = _flex_module()
-        if flex is None or not hasattr(flex, "flex_proportional_attention"):
-            raise ValueError("backend='flex' is invalid: expected kvcompress.flex (FlexAttention) to be "
-                             "available; use backend='sdpa' or 'auto'")
-        fn = flex.flex_proportional_attention
-    else:
-        fn = _auto_backend(_flex_module(), torch.device(device))
-    _RESOLVED[key] = fn
-    return fn
-
-
-def _auto_backend(flex, device: torch.device) -> AttentionFn:
-    if flex is None:
-        return _reference_sdpa
-    auto = getattr(flex, "auto_proportional_attention", None)
-    if auto is not None:
-        return auto  # chooses per call: flex on CUDA, on CPU the faster one (probed once per bucket)
-    if device.type == "cuda" and hasattr(flex, "flex_proportional_attention"):
-        return flex.flex_proportional_attention
-    return getattr(flex, "sdpa_proportional_attention", None) or _reference_sdpa
-
-
-def compile_count() -> int:
-    """Graphs compiled so far by the flex kernel (0 while kvcompress.flex was never used)."""
-    import sys
-
-    flex = sys.modules.get("kvcompress.flex")  # not imported: nothing was compiled
-    if flex is None:
-        return 0
-    for name in ("compile_count", "get_compile_count"):
-        counter = getattr(flex, name, None)
-        if callable(counter):
-            return int(counter())
-        if isinstance(counter, int):
-            return counter
-    return 0
+def strided_queries(query: Tensor, count: int, seq_start: Tensor | None) -> Tensor:
+    """[B, Hq, R, D]: R of the L queries strided evenly over each row's real tokens, the last
+    one included (rows shorter than R repeat queries). query: [B, Hq, L, D]."""
+    B, Hq, L, D = query.shape
+    device = query.device
+    start = torch.zeros(B, dtype=torch.long, device=device) if seq_start is None else seq_start.to(device)
+    real = (L - start).clamp(min=1).to(torch.float64)  # [B]
+    frac = (torch.linspace(0.0, 1.0, count, dtype=torch.float64, device=device) if count > 1
+            else torch.ones(1, dtype=torch.float64, device=device))
+    idx = (start[:, None] + torch.round(frac[None, :] * (real[:, None] - 1)).long()).clamp(0, L - 1)  # [B, R]
+    return query.gather(2, idx[:, None, :, None].expand(B, Hq, count, D)).contiguous()
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -151,28 +162,31 @@ def _stock_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwa
                                   **kwargs)
 
 
+def _request_for(key: Tensor, kwargs: dict) -> AttentionRequest | None:
+    request = kwargs.pop(REQUEST_KEY, None)
+    if request is not None:
+        return request
+    cache = ACTIVE_CACHE.get()
+    return None if cache is None else cache.request_for(key)
+
+
 def _make_attention(forced_backend: str | None):
     def kvcompress_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        step = kwargs.pop(STEP_KEY, None)
-        if step is None:
+        request = _request_for(key, kwargs)
+        if request is None:
             return _stock_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        try:
-            if step.can_use_stock(attention_mask, key.shape[2]):
-                out, _ = _stock_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
-            else:
-                fn = resolve_backend(forced_backend or step.backend, query.device)
-                out = fn(query, key, value, step.log_sizes, scale=scale, causal=step.causal,
-                         use_sizes=step.use_sizes)
-                out = out.transpose(1, 2).contiguous()  # [B, L, Hq, Dv], what the model reshapes
-            received = None
-            if step.track_attention:
-                received = attention_received(query, key, step.log_sizes, scale=scale, causal=step.causal,
-                                              use_sizes=step.use_sizes, query_valid=step.query_valid)
-        except BaseException:
-            step.abort()  # the layers updated in this forward go back to where they were
-            raise
-        step.finish(query, received)
+        if request.stock_is_exact(attention_mask, key.shape[2]):
+            out, _ = _stock_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        else:
+            out = request.attend(query, key, value, request.log_sizes, scale=scale, causal=request.causal,
+                                 use_sizes=request.use_sizes, backend=forced_backend)
+            out = out.transpose(1, 2).contiguous()  # [B, L, Hq, Dv], what the model reshapes
+        received = None
+        if request.track_attention:
+            received = attention_received(query, key, request.log_sizes, scale=scale, causal=request.causal,
+                                          use_sizes=request.use_sizes, query_valid=request.query_valid)
+        request.record(query, received)
         return out, None
 
     kvcompress_attention.__name__ = f"kvcompress_attention_{forced_backend or 'auto'}"

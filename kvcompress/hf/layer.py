@@ -1,8 +1,10 @@
-"""One layer of the compressed cache: slots with per-slot log-sizes in preallocated buffers.
+"""One layer of the compressed cache: storage only (append, expose, install a state).
 
-A decode step writes its key/value into the next free slot of a buffer with spare capacity
-(no torch.cat of the whole cache per step); a compression writes the compressed state into a
-new, tightly sized buffer, so the memory of the uncompressed cache is returned.
+Slots with per-slot biases (log-sizes) live in preallocated buffers. An append writes the new
+keys/values into the next free slots of a buffer with spare capacity (no torch.cat of the whole
+cache per step); ``install`` writes a (compressed) state into a new, tightly sized buffer, so
+the memory of the uncompressed cache is returned. The layer never decides anything and never
+calls its cache: ``CompressedCache`` appends, reads states, installs them and takes snapshots.
 
 Buffer invariant: slots [n, capacity) have log-size -inf, position -1 and finite (zero or
 stale) keys/values, so attention over a view longer than n ignores them.
@@ -10,98 +12,71 @@ stale) keys/values, so attention over a view longer than n ignores them.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from .. import decode as _decode
 from ..types import NEG_INF, KVState
 from ..validation import require
-from .attention import STEP_KEY
 
 BUCKET = 256  # capacities and single-token attention views are multiples of this many slots
+QUERIES = "queries"  # extras key: [B, Hq, W, D] the last W queries (kept by the layer itself)
 
 
 def _round_up(n: int, multiple: int = BUCKET) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def _with_frontier(state: KVState, recent: int) -> KVState:
-    """Mark a prefill compression's coverage the way DecodeCompressor does after a full
-    compression (every token before the recent window was clustered), so its first decode-time
-    compression only looks at the tail."""
-    key = getattr(_decode, "FRONTIER_KEY", None)
-    if key is None:
-        return state
-    start = max(state.num_tokens - recent, 0)
-    frontier = torch.full((state.batch_size,), start, dtype=torch.long, device=state.keys.device)
-    return state.replace(extras={**state.extras, key: frontier})
+@dataclass(frozen=True)
+class LayerSnapshot:
+    """Everything a forward may change in a layer, to put it back if the forward fails.
 
+    Buffers are kept by reference: appends write past ``n`` and installs allocate new buffers;
+    only the per-slot statistics are updated in place, so their used part is cloned.
+    """
 
-@dataclass
-class LayerStep:
-    """What the attention function needs from the layer for one forward, and the way back."""
-
-    layer: "CompressedLayer"
-    q: int
-    fresh: bool  # the layer was empty: a prefill over nothing merged
-    compressed: bool  # slots != tokens (merged or compacted) before this update
-    log_sizes: Tensor  # [B, H, N_view] float32, -inf = padding / unused
-    causal: bool
-    use_sizes: bool
-    backend: str
-    track_attention: bool
-    query_valid: Tensor | None  # [B, q] bool, False for padding queries
-    done: bool = False
-
-    def can_use_stock(self, attention_mask, num_keys: int) -> bool:
-        """Stock SDPA with the model's mask is exact when no slot is merged and the mask was
-        built for exactly this layer's slots."""
-        if self.fresh:
-            return True
-        return (not self.compressed and self.q > 1 and isinstance(attention_mask, Tensor)
-                and attention_mask.dim() == 4 and attention_mask.shape[-1] == num_keys)
-
-    def abort(self) -> None:
-        self.layer.cache._rollback_forward()
-
-    def finish(self, query: Tensor, received: Tensor | None) -> None:
-        self.done = True
-        self.layer._after_attention(self, query, received)
+    buffers: tuple  # (keys, values, log_sizes, positions) or Nones
+    stat_buffers: dict
+    stat_values: dict  # name -> [B, H, n, ...] clone
+    n: int
+    num_tokens: int
+    queries: Tensor | None
+    extras: dict
+    compressed: bool
+    last_report: object
+    device: object
 
 
 class CompressedLayer(CacheLayerMixin):
-    """Slots of one layer: keys/values [B, H, cap, D], log-sizes and positions [B, H, cap]."""
+    """Slots of one layer: keys/values [B, H, cap, D], log-sizes and positions [B, H, cap].
+
+    stat_specs: per-slot statistics kept in buffers, name -> (trailing shape, dtype); new slots
+                start at 0 (e.g. {"attn_acc": ((), torch.float32)})
+    """
 
     is_compileable = False  # slot counts change when a layer is compressed
     is_croppable = False  # a merge cannot be undone by cropping
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, cache, layer_idx: int):
+    def __init__(self, layer_idx: int, stat_specs: dict | None = None):
         # CacheLayerMixin.__init__ is not called: keys/values are read-only views of the buffers
-        self.cache = cache
         self.layer_idx = layer_idx
+        self.stat_specs = dict(stat_specs or {})
         self._k: Tensor | None = None  # [B, H, cap, D]
         self._v: Tensor | None = None
         self._ls: Tensor | None = None  # [B, H, cap] float32
         self._pos: Tensor | None = None  # [B, H, cap] long
-        # per-slot statistics [B, H, cap, ...] that merging sums over members, e.g. "attn_acc"
-        # (attention received, with track_attention); new slots start at 0
-        self._sx: dict[str, Tensor] = {}
-        self.extras: dict = {}  # other state extras a compression returned (e.g. the decode frontier)
+        self._sx: dict[str, Tensor] = {}  # per-slot statistics [B, H, cap, ...]
+        self.extras: dict = {}  # carried data of the layer's state (decode frontier, reference queries, ...)
         self.n = 0  # slots in use (padding slots of heads with fewer slots included)
         self.num_tokens = 0  # tokens seen
-        self.queries: Tensor | None = None  # [B, Hq, W, D], the last W queries (query_window)
-        self.compressed = False
-        self._deferred = False  # prefill compression waits for the last layer (cross-layer guards)
+        self.queries: Tensor | None = None  # [B, Hq, W, D], the last W queries
+        self.compressed = False  # slots != tokens since an install
         self.last_report = None
         self.device = None
-        self._undo = None
-        self._step: LayerStep | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -128,20 +103,31 @@ class CompressedLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return 0 if self._k is None else self._k.shape[2]
 
-    def state(self) -> KVState:
-        """The layer as a KVState (views of the buffers; pipelines never write into them)."""
+    def state(self, token_ids: Tensor | None, seq_start: Tensor | None, vocab) -> KVState:
+        """The layer as a KVState (views of the buffers; pipelines never write into them).
+
+        token_ids: [B, >= T] ids of the tokens seen; seq_start: [B] or None; vocab: token texts
+        """
         require(self.is_initialized, "layer", self.layer_idx, "a layer that has seen tokens")
         extras = dict(self.extras)
         if self.queries is not None:
-            extras["queries"] = self.queries
-        for name, buf in self._sx.items():
-            extras[name] = buf[:, :, : self.n]
-        cache = self.cache
+            extras[QUERIES] = self.queries
+        stats = {name: buf[:, :, : self.n] for name, buf in self._sx.items()}
         return KVState(
             keys=self.keys, values=self.values, log_sizes=self.log_sizes, positions=self.positions,
-            num_tokens=self.num_tokens, token_ids=cache._ids[:, : self.num_tokens],
-            seq_start=cache._seq_start, vocab=cache.vocab, extras=extras,
+            num_tokens=self.num_tokens, token_ids=None if token_ids is None else token_ids[:, : self.num_tokens],
+            seq_start=seq_start, vocab=vocab, extras=extras, stats=stats,
         )
+
+    def attention_view(self, q: int, fresh: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """(keys, values, log_sizes) the attention reads after an append of q tokens.
+
+        Single-token steps attend over a bucketed view (unused slots are -inf), so attention
+        shapes change only every BUCKET slots; multi-token inputs need the exact slot count for
+        the bottom-right causal mask.
+        """
+        view = self.n if (q > 1 or fresh) else min(_round_up(self.n), self.capacity)
+        return self._k[:, :, :view], self._v[:, :, :view], self._ls[:, :, :view]
 
     def valid_slots(self) -> Tensor:
         """[B, H] long: slots holding tokens."""
@@ -158,10 +144,21 @@ class CompressedLayer(CacheLayerMixin):
         bufs = (self._k, self._v, self._ls, self._pos, *self._sx.values())
         return sum(t.numel() * t.element_size() for t in bufs if t is not None)
 
+    def full_bytes(self) -> int:
+        """Bytes a stock (uncompressed) layer would hold for the tokens seen."""
+        if self._k is None:
+            return 0
+        B, H, _, D = self._k.shape
+        return B * H * self.num_tokens * D * (self._k.element_size() + self._v.element_size())
+
     # ------------------------------------------------------------------ CacheLayerMixin
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         B, H, q, D = key_states.shape
         self._allocate(B, H, D, value_states.shape[-1], _round_up(q), key_states.dtype, key_states.device)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        raise ValueError("CompressedLayer.update is invalid: expected CompressedCache.update(keys, values, "
+                         "layer_idx, ...) (the cache schedules its layers)")
 
     def get_seq_length(self) -> int:
         """Tokens seen (not slots): RoPE positions and generate's prompt slicing derive from it."""
@@ -177,7 +174,7 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.cache, self.layer_idx)
+        self.__init__(self.layer_idx, self.stat_specs)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
@@ -192,15 +189,16 @@ class CompressedLayer(CacheLayerMixin):
         raise ValueError("offloading=True is invalid for CompressedCache: expected offloading=False")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._batch_apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self.batch_apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.batch_apply(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, Tensor) else indices])
+        self.batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, Tensor) else indices])
 
-    def _batch_apply(self, fn) -> None:
+    def batch_apply(self, fn) -> None:
+        """Apply ``fn`` to every per-row tensor (beam search: reorder, repeat, select rows)."""
         if self._k is None:
             return
         B0 = self._k.shape[0]
@@ -212,21 +210,15 @@ class CompressedLayer(CacheLayerMixin):
             self.queries = fn(self.queries)
 
     # ------------------------------------------------------------------ buffers
-    def _allocate(self, B, H, D, Dv, cap, dtype, device, slot_extras: dict | None = None) -> None:
-        """New buffers of ``cap`` slots, all unused (log-size -inf). slot_extras: name -> trailing shape."""
+    def _allocate(self, B, H, D, Dv, cap, dtype, device) -> None:
+        """New buffers of ``cap`` slots, all unused (log-size -inf)."""
         self.device = device
         self._k = torch.zeros(B, H, cap, D, dtype=dtype, device=device)
         self._v = torch.zeros(B, H, cap, Dv, dtype=dtype, device=device)
         self._ls = torch.full((B, H, cap), NEG_INF, dtype=torch.float32, device=device)
         self._pos = torch.full((B, H, cap), -1, dtype=torch.long, device=device)
-        if slot_extras is None:
-            cfg = self.cache.config
-            slot_extras = {"attn_acc": ((), torch.float32)} if cfg is not None and cfg.track_attention else {}
         self._sx = {name: torch.zeros(B, H, cap, *shape, dtype=dt, device=device)
-                    for name, (shape, dt) in slot_extras.items()}
-
-    def _slot_extra_specs(self) -> dict:
-        return {name: (tuple(buf.shape[3:]), buf.dtype) for name, buf in self._sx.items()}
+                    for name, (shape, dt) in self.stat_specs.items()}
 
     def _ensure_capacity(self, needed: int) -> None:
         cap = self.capacity
@@ -236,228 +228,104 @@ class CompressedLayer(CacheLayerMixin):
         old = (self._k, self._v, self._ls, self._pos)
         old_sx = self._sx
         B, H, _, D = self._k.shape
-        self._allocate(B, H, D, self._v.shape[-1], new_cap, self._k.dtype, self._k.device, self._slot_extra_specs())
+        self._allocate(B, H, D, self._v.shape[-1], new_cap, self._k.dtype, self._k.device)
         n = self.n
         for new, prev in zip((self._k, self._v, self._ls, self._pos), old):
             new[:, :, :n] = prev[:, :, :n]
         for name, prev in old_sx.items():
             self._sx[name][:, :, :n] = prev[:, :, :n]
 
-    def _headroom(self) -> int:
-        cfg = self.cache.config
-        return (cfg.recompress_every if cfg is not None else 0) + 1
-
-    def _set_state(self, state: KVState) -> None:
-        """Write a (compressed) state into new buffers sized to it."""
-        B, H, N, D = state.keys.shape
-        slot_extras, other = {}, {}
-        for name, x in state.extras.items():
-            if name == "queries":
-                continue  # the layer keeps its own query window
-            if isinstance(x, Tensor) and x.dim() >= 3 and tuple(x.shape[:3]) == (B, H, N):
-                slot_extras[name] = x
-            else:
-                other[name] = x
-        specs = self._slot_extra_specs()
-        specs.update({name: (tuple(x.shape[3:]), x.dtype) for name, x in slot_extras.items()})
-        self._allocate(B, H, D, state.values.shape[-1], _round_up(N + self._headroom()), state.keys.dtype,
-                       state.keys.device, specs)
-        self._k[:, :, :N] = state.keys
-        self._v[:, :, :N] = state.values
-        self._ls[:, :, :N] = state.log_sizes
-        self._pos[:, :, :N] = state.positions
-        for name, x in slot_extras.items():
-            self._sx[name][:, :, :N] = x
-        self.extras = other
-        self.n = N
-        self.compressed = True
-
-    # ------------------------------------------------------------------ update (called by the attention module)
-    def _check_states(self, key_states: Tensor, value_states: Tensor) -> None:
-        require(key_states.dim() == 4 and value_states.dim() == 4 and key_states.shape[:3] == value_states.shape[:3],
-                "key_states/value_states", (tuple(key_states.shape), tuple(value_states.shape)),
-                "[B, H, q, D] tensors with the same B, H, q")
-        geo = self.cache.geometry
-        B, H, q, D = key_states.shape
-        if geo is not None:
-            require(H == geo.num_kv_heads and D == geo.head_dim, "key_states", tuple(key_states.shape),
-                    f"H={geo.num_kv_heads} KV heads and head_dim {geo.head_dim}: this cache was created for "
-                    f"{geo.describe()}; it cannot be reused with another model")
-        if self._k is not None:
-            b0, h0, _, d0 = self._k.shape
-            require((B, H, D) == (b0, h0, d0), "key_states", tuple(key_states.shape),
-                    f"batch {b0}, {h0} heads, head_dim {d0} as in the states already cached in layer "
-                    f"{self.layer_idx} (a cache cannot be reused with another model or batch)")
-            require(key_states.dtype == self._k.dtype and value_states.dtype == self._v.dtype,
-                    "key_states.dtype", key_states.dtype, f"{self._k.dtype}, the dtype of the cached states")
-            require(key_states.device == self._k.device, "key_states.device", str(key_states.device),
-                    f"{self._k.device}, the device of the cached states")
-        require(key_states.is_floating_point(), "key_states.dtype", key_states.dtype, "a floating-point dtype")
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append q new tokens and return the keys/values the attention function reads.
-
-        key_states, value_states: [B, H, q, D], keys already rotated (RoPE)
-        kwargs["kwargs"]:         the attention module's kwargs dict; a LayerStep is put into it
-        """
-        attn_kwargs = kwargs.get("kwargs")
-        require(isinstance(attn_kwargs, dict), "model", type(self).__name__,
-                "an attention module that passes its kwargs to cache.update(..., kwargs=kwargs) "
-                "(transformers 5.x Llama-family models); this model's attention does not")
-        cache = self.cache
-        B, H, q, D = key_states.shape
-        try:
-            self._check_states(key_states, value_states)
-            fwd = cache._forward_for_layer(self.layer_idx, B, q, key_states.device)
-        except ValueError:
-            cache._rollback_forward()  # the layers already updated in this forward go back too
-            raise
-        self._save_undo(fwd.index)
-        fresh = self.n == 0 and self.num_tokens == 0
-        compressed_before = self.compressed
+    def append(self, keys: Tensor, values: Tensor, pad: Tensor | None, spare: int = 0) -> None:
+        """Append q new tokens: keys/values [B, H, q, D] (rotated), pad [B, q] bool (True = left
+        padding: never attended, zeroed) or None. ``spare``: extra capacity of a first buffer."""
+        B, H, q, D = keys.shape
         if self._k is None:
-            cap = q + (BUCKET if cache.pipeline is None else 0)
-            self._allocate(B, H, D, value_states.shape[-1], _round_up(cap), key_states.dtype, key_states.device)
+            self._allocate(B, H, D, values.shape[-1], _round_up(q + spare), keys.dtype, keys.device)
         self._ensure_capacity(self.n + q)
-
-        pad = fwd.pad  # [B, q] bool, True = padding
-        k, v = key_states, value_states
         sl = slice(self.n, self.n + q)
-        pos = torch.arange(self.num_tokens, self.num_tokens + q, device=k.device).expand(B, H, q)
+        pos = torch.arange(self.num_tokens, self.num_tokens + q, device=keys.device).expand(B, H, q)
         if pad is not None:
-            # pad tokens: never attended (-inf) and zeroed, so nothing non-finite can leak in
-            k = k.masked_fill(pad[:, None, :, None], 0)
-            v = v.masked_fill(pad[:, None, :, None], 0)
+            keys = keys.masked_fill(pad[:, None, :, None], 0)
+            values = values.masked_fill(pad[:, None, :, None], 0)
             self._ls[:, :, sl] = torch.where(pad, NEG_INF, 0.0)[:, None, :].expand(B, H, q)
             self._pos[:, :, sl] = pos.masked_fill(pad[:, None, :], -1)
         else:
             self._ls[:, :, sl] = 0.0
             self._pos[:, :, sl] = pos
-        self._k[:, :, sl] = k
-        self._v[:, :, sl] = v
+        self._k[:, :, sl] = keys
+        self._v[:, :, sl] = values
         for buf in self._sx.values():
             buf[:, :, sl] = 0
         self.n += q
         self.num_tokens += q
 
-        # single-token steps attend over a bucketed view (unused slots are -inf), so attention
-        # shapes change only every BUCKET slots; multi-token inputs need the exact slot count for
-        # the bottom-right causal mask
-        view = self.n if (q > 1 or fresh) else min(_round_up(self.n), self.capacity)
-        cfg = cache.config
-        step = LayerStep(
-            layer=self, q=q, fresh=fresh, compressed=compressed_before, log_sizes=self._ls[:, :, :view],
-            causal=q > 1, use_sizes=cfg.proportional_attention if cfg is not None else True,
-            backend=cache.backend, track_attention="attn_acc" in self._sx,
-            query_valid=None if pad is None else ~pad,
-        )
-        self._step = step
-        attn_kwargs[STEP_KEY] = step
-        return self._k[:, :, :view], self._v[:, :, :view]
+    def add_stat(self, name: str, delta: Tensor) -> None:
+        """Add delta [B, H, n', ...] (n' <= n) to the first n' slots of a per-slot statistic."""
+        require(name in self._sx, "stat", name, f"one of the layer's statistics {sorted(self._sx)}")
+        self._sx[name][:, :, : delta.shape[2]] += delta
 
-    # ------------------------------------------------------------------ after attention
-    def _after_attention(self, step: LayerStep, query: Tensor, received: Tensor | None) -> None:
-        cfg = self.cache.config
-        if cfg is not None and cfg.query_window > 0:
-            q = query.detach()
-            q = q if self.queries is None else torch.cat([self.queries, q], dim=2)
-            self.queries = q[:, :, -cfg.query_window:].contiguous()
-        if received is not None:
-            self._sx["attn_acc"][:, :, : received.shape[-1]] += received
-        try:
-            self._maybe_compress(step)
-        except BaseException:
-            self.cache._rollback_forward()
-            raise
+    def keep_queries(self, queries: Tensor, window: int) -> None:
+        """Roll the last ``window`` queries [B, Hq, W, D] forward with this forward's queries."""
+        q = queries if self.queries is None else torch.cat([self.queries, queries], dim=2)
+        self.queries = q[:, :, -window:].contiguous()
 
-    def _maybe_compress(self, step: LayerStep) -> None:
-        cache = self.cache
-        if cache.pipeline is None or not cache.enabled:
-            return
-        if not step.fresh and not self._may_exceed_budget():
-            return  # the common decode step: no KVState, no tensor op
-        state = self.state()
-        if not step.fresh and not cache.decoder.should_compress(state, self.layer_idx):
-            return
-        if bool((state.real_tokens() <= 0).all()):
-            return
-        if step.fresh and cache.pipeline.needs_all_layers:
-            self._deferred = True  # cross-layer guards decide from every layer: wait for the last one
-            if self.layer_idx == len(cache.layers) - 1:
-                self._compress_deferred()
-            return
-        start = time.perf_counter()
-        if step.fresh:
-            new_state, report = cache.pipeline.compress(state, self.layer_idx)
-            new_state = _with_frontier(new_state, cache.config.recent)
-        else:
-            new_state, report = cache.decoder.compress(state, self.layer_idx)
-        self._install(new_state, report)
-        cache._record_compression(time.perf_counter() - start, prefill=step.fresh)
+    def install(self, state: KVState, headroom: int) -> None:
+        """Write ``state`` into new buffers sized to it (+ headroom slots): keys, values, biases,
+        positions, its per-slot stats and carried extras (its "queries" replace the layer's)."""
+        B, H, N, D = state.keys.shape
+        specs = dict(self.stat_specs)
+        specs.update({name: (tuple(x.shape[3:]), x.dtype) for name, x in state.stats.items()})
+        self.stat_specs = specs
+        self._allocate(B, H, D, state.values.shape[-1], _round_up(N + headroom), state.keys.dtype,
+                       state.keys.device)
+        self._k[:, :, :N] = state.keys
+        self._v[:, :, :N] = state.values
+        self._ls[:, :, :N] = state.log_sizes
+        self._pos[:, :, :N] = state.positions
+        for name, x in state.stats.items():
+            self._sx[name][:, :, :N] = x
+        extras = dict(state.extras)
+        queries = extras.pop(QUERIES, None)
+        if queries is not None:
+            self.queries = queries
+        self.extras = extras
+        self.n = N
+        self.num_tokens = state.num_tokens
+        self.compressed = True
 
-    def _compress_deferred(self) -> None:
-        """Prefill compression of every waiting layer, after the pipeline's cross-layer guards
-        have seen all of them. All-or-nothing: the new states are installed only when every
-        layer compressed (an error leaves every layer as it was, and the forward rolls back)."""
-        cache = self.cache
-        layers = [layer for layer in cache.layers if layer._deferred]
-        start = time.perf_counter()
-        cache.pipeline.prepare([layer.state() for layer in layers])
-        done = []
-        for layer in layers:
-            new_state, report = cache.pipeline.compress(layer.state(), layer.layer_idx)
-            done.append((layer, _with_frontier(new_state, cache.config.recent), report))
-        for layer, new_state, report in done:
-            layer._deferred = False
-            layer._install(new_state, report)
-        seconds = time.perf_counter() - start
-        for _ in done:
-            cache._record_compression(seconds / len(done), prefill=True)
+    def set_stat(self, name: str, value: Tensor) -> None:
+        """Set a per-slot statistic: value [B, H, n, ...] (new slots will start at 0)."""
+        require(self.is_initialized, "layer", self.layer_idx, "a layer that has seen tokens")
+        B, H = self._k.shape[:2]
+        require(isinstance(value, Tensor) and value.dim() >= 3 and tuple(value.shape[:3]) == (B, H, self.n),
+                f"stats[{name!r}] of layer {self.layer_idx}", tuple(getattr(value, "shape", ())),
+                f"a tensor [B={B}, H={H}, N={self.n}, ...] (one value per slot)")
+        buf = torch.zeros(B, H, self.capacity, *value.shape[3:], dtype=value.dtype, device=self._k.device)
+        buf[:, :, : self.n] = value
+        self._sx[name] = buf
+        self.stat_specs[name] = (tuple(value.shape[3:]), value.dtype)
 
-    def _install(self, new_state: KVState, report) -> None:
-        self._set_state(new_state)
-        self.last_report = report
-        if self._k.device.type == "cuda":
-            torch.cuda.synchronize(self._k.device)  # kernels are asynchronous: time them whole
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self) -> LayerSnapshot:
+        stats = {name: buf[:, :, : self.n].clone() for name, buf in self._sx.items()}
+        return LayerSnapshot((self._k, self._v, self._ls, self._pos), dict(self._sx), stats, self.n,
+                             self.num_tokens, self.queries, dict(self.extras), self.compressed, self.last_report,
+                             self.device)
 
-    def _may_exceed_budget(self) -> bool:
-        """False when no head can hold more than budget + g slots: every head holds at most n
-        slots and every row's budget is at least that of the row with the fewest real tokens."""
-        cfg = self.cache.config
-        if cfg.max_slots is not None:
-            limit = cfg.max_slots
-        else:
-            fewest = self.num_tokens - self.cache._max_left_pad
-            limit = int(fewest * cfg.keep_ratio + 1e-9)
-        return self.n > limit + cfg.recompress_every
-
-    # ------------------------------------------------------------------ undo for a failed forward
-    def _save_undo(self, forward_index: int) -> None:
-        if self._undo is not None and self._undo[0] == forward_index:
-            return
-        # references, not copies: appends write past n and compressions allocate new buffers;
-        # only the per-slot statistics are updated in place, so they are cloned
-        sx = {name: buf[:, :, : self.n].clone() for name, buf in self._sx.items()}
-        self._undo = (forward_index, self._k, self._v, self._ls, self._pos, dict(self._sx), sx, self.n,
-                      self.num_tokens, self.queries, self.compressed, self.last_report, dict(self.extras))
-
-    def _commit(self) -> None:
-        self._undo = None
-        self._step = None
-
-    def _rollback(self) -> None:
-        if self._undo is None:
-            return
-        (_, self._k, self._v, self._ls, self._pos, self._sx, sx, self.n, self.num_tokens, self.queries,
-         self.compressed, self.last_report, self.extras) = self._undo
-        self._undo = None
-        self._step = None
-        self._deferred = False
+    def restore(self, snap: LayerSnapshot) -> None:
+        self._k, self._v, self._ls, self._pos = snap.buffers
+        self._sx = dict(snap.stat_buffers)
+        self.stat_specs.update({name: (tuple(b.shape[3:]), b.dtype) for name, b in self._sx.items()})
+        self.n, self.num_tokens, self.queries = snap.n, snap.num_tokens, snap.queries
+        self.extras, self.compressed, self.last_report, self.device = dict(snap.extras), snap.compressed, \
+            snap.last_report, snap.device
         if self._k is None:
-            self.device = None
             return
         self._ls[:, :, self.n:] = NEG_INF
         self._pos[:, :, self.n:] = -1
-        for name, saved in sx.items():
+        for name, saved in snap.stat_values.items():
             self._sx[name][:, :, : self.n] = saved
             self._sx[name][:, :, self.n:] = 0
+
+
+__all__ = ["CompressedLayer", "LayerSnapshot", "BUCKET", "QUERIES"]
