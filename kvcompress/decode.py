@@ -11,14 +11,15 @@ one centroid for CSM, whose rounds re-cut chunks); the budget is then raised to 
 of failing in the middle of a generation, and the report's ``target`` shows the budget used. A
 max_slots cap that can never hold the sinks plus the recent window is a ValueError up front.
 
-Cost. Each method declares a scope (the clusterer's ``decode_scope`` attribute, else the table
-``DECODE_SCOPES``, else "all"):
+Cost. Each method declares a scope (the clusterer's ``decode_scope`` hook, see
+``kvcompress.protocols.DecodeScoped``; "all" without it):
 
 - "tail" (SemantiCache's GSC): only slots not yet compressed are clustered. A per-row frontier in
   ``state.extras["decode_frontier"]`` ([B] long, a token index) marks what earlier compressions
-  covered; slots before it are frozen by a guard. With the delimiter chunker the unit is the
-  chunks *completed* since the last compression: the run after the last delimiter (it continues
-  into the recent window) is frozen too and waits until a delimiter closes it. Attempts, cheapest
+  covered; slots before it are frozen by a guard. With a chunker that keeps its last run open
+  (the ``open_tail_start`` hook, e.g. the delimiter chunker) the unit is the chunks *completed*
+  since the last compression: the run after the last delimiter (it continues into the recent
+  window) is frozen too and waits until a delimiter closes it. Attempts, cheapest
   first: completed chunks, then the whole tail, then the whole cache (only when the tail alone
   cannot meet the budget, e.g. a tail full of delimiter anchors at a low keep-ratio).
   The clustering work is bounded by the tail; the linear bookkeeping passes over the slot
@@ -34,8 +35,8 @@ decode-time compression then treats the whole cache as the tail (once). Use
 
 Floor memo. A layer that cannot reach its target (SemantiCache at a low keep-ratio) sits above
 target + g, so ``should_compress`` needs the floor at every step: protection plus the chunker over
-the whole cache. For the built-in chunkers (delimiter, fixed, global) with sinks / recent window /
-full heads as the only protection, appending tokens never lowers the floor (the new slot is
+the whole cache. For chunkers that declare ``append_monotone`` (delimiter, fixed, global) with
+sinks / recent window / full heads as the only protection, appending tokens never lowers the floor (the new slot is
 protected or opens or joins the last chunk; the slot leaving the recent window is an anchor or
 joins or opens the last chunk). So the floor computed for a state stays a lower bound for every
 state that extends it by appends only, and a step whose slots stay within max(target, that floor)
@@ -46,16 +47,15 @@ after them. Decisions and results are identical to recomputing the floor every s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from . import pipeline as _pipeline
-from .pipeline import Pipeline
+from .budget import target_slots
+from .pipeline import GUARD_MARK, Pipeline
+from .protocols import AppendMonotone, DecodeScoped, FloorAware, OpenTail
 from .registry import register_guard
-from .strategies.chunkers import DelimiterChunker, FixedSizeChunker, GlobalChunker, delimiter_mask
 from .types import CompressionReport, KVState
 from .validation import check_choice, require
 
@@ -65,7 +65,6 @@ _BUDGET_KEY = "_decode_budget"  # [B, H] long: the budget of this call (floor ap
 _NO_LIMIT = torch.iinfo(torch.long).max
 
 SCOPES = ("tail", "all")
-DECODE_SCOPES = {"gsc": "tail", "csm": "all"}
 
 
 @register_guard("decode-window")
@@ -83,8 +82,6 @@ class DecodeWindowGuard:
         return state.valid & ((pos < lo) | (pos >= hi))
 
 
-# chunkers whose floor never drops when raw tokens are appended (see "Floor memo" above)
-_APPEND_MONOTONE_CHUNKERS = (DelimiterChunker, FixedSizeChunker, GlobalChunker)
 # states remembered per layer: caches that share one DecodeCompressor (clones of a cache, one per
 # attention backend) each find their own
 _MEMO_PER_LAYER = 4
@@ -159,14 +156,15 @@ class DecodeCompressor:
                     f"more than sinks + recent = {cfg.sinks} + {cfg.recent} slots: generation would "
                     f"exceed the cap with every new token")
         if scope is None:
-            scope = getattr(pipeline.clusterer, "decode_scope", DECODE_SCOPES.get(cfg.clusterer.name, "all"))
+            scope = pipeline.clusterer.decode_scope if isinstance(pipeline.clusterer, DecodeScoped) else "all"
         check_choice("scope", scope, SCOPES)
         self.pipeline = pipeline
         self.scope = scope
         # layer_idx -> [_FloorEntry], most recent first; None where appends might lower the floor
         # (guards, overridden protection, clusterers with their own min_slots, other chunkers)
-        memo_ok = (type(pipeline.chunker) in _APPEND_MONOTONE_CHUNKERS and not pipeline.guards
-                   and getattr(pipeline.clusterer, "min_slots", None) is None
+        chunker = pipeline.chunker
+        memo_ok = (isinstance(chunker, AppendMonotone) and chunker.append_monotone and not pipeline.guards
+                   and not isinstance(pipeline.clusterer, FloorAware)
                    and type(pipeline).protection is Pipeline.protection
                    and type(self).floor is DecodeCompressor.floor)
         self._floors: dict | None = {} if memo_ok else None
@@ -186,9 +184,9 @@ class DecodeCompressor:
         (protected, anchors) plus one slot per chunk."""
         protected = self.pipeline.protection(state, layer_idx)
         chunk_ids = self.pipeline.chunker(state, protected)
-        min_slots = getattr(self.pipeline.clusterer, "min_slots", None)
-        if min_slots is not None:
-            return min_slots(state.valid, chunk_ids)
+        clusterer = self.pipeline.clusterer
+        if isinstance(clusterer, FloorAware):
+            return clusterer.min_slots(state.valid, chunk_ids)
         ids = torch.where(state.valid, chunk_ids, -1)  # [B, H, N]
         fixed = (state.valid & (ids < 0)).sum(-1)
         # chunk ids never decrease along the slots (Chunker protocol), so a slot opens a new chunk
@@ -204,11 +202,9 @@ class DecodeCompressor:
     def should_compress(self, state: KVState, layer_idx: int | None = None) -> bool:
         """True when some head holds more than budget + g slots."""
         cfg = self.pipeline.config
-        if cfg.max_slots is not None:
-            lower = cfg.max_slots
-        else:  # the smallest row's target; left padding only shrinks a row
-            padding = 0 if state.seq_start is None else int(state.seq_start.max())
-            lower = max(1, math.floor((state.num_tokens - padding) * cfg.keep_ratio + 1e-9))
+        # the smallest row's target; left padding only shrinks a row
+        padding = 0 if state.seq_start is None else int(state.seq_start.max())
+        lower = target_slots(state.num_tokens - padding, cfg.keep_ratio, cfg.max_slots)
         if state.num_slots <= lower + self.g:
             return False  # called every step: decide from Python ints when the tensor is small enough
         valid = state.valid
@@ -239,8 +235,7 @@ class DecodeCompressor:
         cannot follow (user-protected slots, slots marked by persistent guards)."""
         if self._floors is None or state.protected is not None:
             return None
-        mark = getattr(_pipeline, "GUARD_MARK", None)
-        if mark is not None and state.extras.get(mark) is not None:
+        if state.stats.get(GUARD_MARK) is not None:
             return None
         return self._floors.setdefault(layer_idx, [])
 
@@ -280,13 +275,9 @@ class DecodeCompressor:
         """(lo, hi, new frontier) per attempt, each [B] long: clusterable positions [lo, hi)."""
         unlimited = torch.full_like(frontier, _NO_LIMIT)
         chunker = self.pipeline.chunker
-        if isinstance(chunker, DelimiterChunker) and state.token_ids is not None:
-            # the run after the last delimiter before the recent window is still open
-            delim = delimiter_mask(state, chunker.delimiters, chunker.delimiter_ids)  # [B, H, N]
-            pos = state.positions
-            inside = delim & (pos >= frontier[:, None, None]) & (pos < window_start[:, None, None])
-            last = torch.where(inside, pos, -1).amax(dim=(1, 2))  # [B]
-            open_start = torch.where(last >= 0, last + 1, frontier)
+        open_start = chunker.open_tail_start(state, frontier, window_start) if isinstance(chunker, OpenTail) else None
+        if open_start is not None:
+            # the run still open before the recent window waits until a boundary closes it
             yield frontier, open_start, open_start
         yield frontier, unlimited, window_start
 
@@ -316,15 +307,16 @@ def append_tokens(state: KVState, keys: Tensor, values: Tensor, token_ids: Tenso
     protected = state.protected
     if protected is not None:
         protected = torch.cat([protected, protected.new_zeros(B, H, q)], dim=-1)
-    extras = {}
-    for name, x in state.extras.items():
-        if isinstance(x, Tensor) and tuple(x.shape[:3]) == (B, H, state.num_slots):
-            x = torch.cat([x, x.new_zeros(B, H, q, *x.shape[3:])], dim=2)  # new slots start at 0
-        extras[name] = x
+    counts = state.counts
+    if counts is not None:
+        counts = torch.cat([counts, counts.new_ones(B, H, q)], dim=-1)
+    # per-slot statistics of new slots start at 0; carried extras are left as they are
+    stats = {name: torch.cat([x, x.new_zeros(B, H, q, *x.shape[3:])], dim=2) for name, x in state.stats.items()}
     return state.replace(
+        counts=counts, stats=stats,
         keys=torch.cat([state.keys, keys.to(state.keys.dtype)], dim=2),
         values=torch.cat([state.values, values.to(state.values.dtype)], dim=2),
         log_sizes=torch.cat([state.log_sizes, state.log_sizes.new_zeros(B, H, q)], dim=-1),
         positions=torch.cat([state.positions, pos], dim=-1),
-        num_tokens=T + q, token_ids=new_ids, protected=protected, extras=extras,
+        num_tokens=T + q, token_ids=new_ids, protected=protected,
     )

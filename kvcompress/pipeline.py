@@ -11,14 +11,15 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
+from .budget import target_slots as budget_slots
 from .config import PipelineConfig, as_config
-from .protocols import ClusterPlan
+from .protocols import ClusterPlan, CrossLayerGuard, Needs, PersistentGuard, needs_of
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
 from .validation import check_int, require
 
 
-GUARD_MARK = "guarded"  # extras key: [B, H, N] uint8, slots a persistent guard protected once
+GUARD_MARK = "guarded"  # stats key: [B, H, N] uint8, slots a persistent guard protected once
 
 
 class BudgetError(ValueError):
@@ -39,8 +40,13 @@ class Pipeline:
         self.clusterer = CLUSTERERS.create(cfg.clusterer.name, cfg.clusterer.params)
         self.merger = MERGERS.create(cfg.merger.name, cfg.merger.params)
         self.guards = tuple(GUARDS.create(g.name, g.params) for g in cfg.guards)
-        self._cross = tuple(g for g in self.guards if getattr(g, "cross_layer", False))
-        self._persistent = tuple(g for g in self.guards if getattr(g, "persistent", False))
+        self._cross = tuple(g for g in self.guards if isinstance(g, CrossLayerGuard))
+        self._persistent = tuple(g for g in self.guards if isinstance(g, PersistentGuard) and g.persistent)
+        strategies = (self.chunker, self.clusterer, self.merger, *self.guards)
+        self.needs: Needs = Needs(query_window=cfg.query_window, attention=cfg.track_attention,
+                                  all_layers=bool(self._cross)) | Needs.union(needs_of(s) for s in strategies)
+        """What the cache must record or do for this pipeline (the config's query_window and
+        track_attention, cross-layer guards, and every strategy's declared ``needs``)."""
 
     def __repr__(self) -> str:
         return f"Pipeline({self.config.name!r}, {self.config.to_dict()})"
@@ -50,7 +56,7 @@ class Pipeline:
     def needs_all_layers(self) -> bool:
         """True when a guard decides from every layer at once: call ``prepare`` with all layers'
         states before compressing any of them (``CompressedCache`` does so after the prefill)."""
-        return bool(self._cross)
+        return self.needs.all_layers
 
     def prepare(self, states) -> None:
         """Let cross-layer guards decide from ``states`` (one uncompressed KVState per layer, same
@@ -76,7 +82,7 @@ class Pipeline:
     def _prepared(self, state: KVState) -> KVState:
         """Prepare cross-layer guards from this layer when nobody did, and mark the slots of
         persistent guards in ``extras[GUARD_MARK]`` so later compressions keep them."""
-        if GUARD_MARK not in state.extras:
+        if GUARD_MARK not in state.stats:
             if any(not g.prepared_for(state) for g in self._cross):
                 self.prepare([state])
         if not self._persistent:
@@ -84,22 +90,18 @@ class Pipeline:
         mark = torch.zeros_like(state.valid)
         for guard in self._persistent:
             mark |= guard(state)
-        old = state.extras.get(GUARD_MARK)
+        old = state.stats.get(GUARD_MARK)
         if old is not None:
             mark |= old > 0
-        return state.replace(extras={**state.extras, GUARD_MARK: mark.to(torch.uint8)})
+        return state.replace(stats={**state.stats, GUARD_MARK: mark.to(torch.uint8)})
 
     # ------------------------------------------------------------------ budget & protection
     def target_slots(self, state: KVState, layer_idx: int | None = None) -> Tensor:
         """[B, H] long: slots each head may keep."""
         cfg = self.config
         B, H = state.batch_size, state.num_heads
-        if cfg.keep_ratio is not None:
-            real = state.real_tokens().to(torch.float64)  # [B]
-            per_row = torch.floor(real * cfg.keep_ratio + 1e-9).long().clamp(min=1)
-            target = per_row[:, None].expand(B, H).clone()
-        else:
-            target = torch.full((B, H), cfg.max_slots, dtype=torch.long, device=state.keys.device)
+        per_row = budget_slots(state.real_tokens(), cfg.keep_ratio, cfg.max_slots)  # [B]
+        target = per_row[:, None].expand(B, H).clone()
         for head in self.full_heads(layer_idx, H):
             target[:, head] = state.valid[:, head].sum(-1)
         return target.to(state.keys.device)
@@ -122,7 +124,7 @@ class Pipeline:
             protected |= valid & (state.positions >= state.num_tokens - cfg.recent)
         if state.protected is not None:
             protected |= state.protected & valid
-        marked = state.extras.get(GUARD_MARK)
+        marked = state.stats.get(GUARD_MARK)
         if marked is not None:
             protected |= (marked > 0) & valid
         for guard in self.guards:

@@ -8,11 +8,81 @@ keys, values, sizes and positions alike (ToMe's habit).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor
 
 from .types import KVState
+from .validation import check_int, require
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a strategy needs the cache to record or do for it (the pipeline takes the union).
+
+    query_window:      the last W prefill/decoding queries of each layer -> ``extras["queries"]``
+                       [B, Hq, W, D] (rotated, unscaled)
+    reference_queries: R queries strided evenly over the prefill, the last one included ->
+                       ``extras["reference_queries"]`` [B, Hq, R, D] (rotated, unscaled)
+    attention:         the attention each slot receives -> ``stats["attn_acc"]`` [B, H_kv, N]
+    all_layers:        compression at the prefill's end waits until every layer is in
+                       (cross-layer guards)
+    model_pass:        the cache runs a model pass at the prefill's end before compressing
+                       (e.g. a reconstruction scorer); implies ``all_layers``
+    """
+
+    query_window: int = 0
+    reference_queries: int = 0
+    attention: bool = False
+    all_layers: bool = False
+    model_pass: bool = False
+
+    def __post_init__(self):
+        check_int("query_window", self.query_window, 0)
+        check_int("reference_queries", self.reference_queries, 0)
+        for name in ("attention", "all_layers", "model_pass"):
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        if self.model_pass and not self.all_layers:
+            object.__setattr__(self, "all_layers", True)
+
+    def __or__(self, other: "Needs") -> "Needs":
+        require(isinstance(other, Needs), "needs", type(other).__name__, "a Needs")
+        return Needs(
+            query_window=max(self.query_window, other.query_window),
+            reference_queries=max(self.reference_queries, other.reference_queries),
+            attention=self.attention or other.attention,
+            all_layers=self.all_layers or other.all_layers,
+            model_pass=self.model_pass or other.model_pass,
+        )
+
+    @classmethod
+    def union(cls, items: Iterable["Needs"]) -> "Needs":
+        out = cls()
+        for item in items:
+            out = out | item
+        return out
+
+
+# ---------------------------------------------------------------------------- optional hooks
+# A strategy implements a hook by having the member; the pipeline and DecodeCompressor ask through
+# these protocols (structural checks), never by probing names. Strategies that are plain
+# functions implement none of them.
+@runtime_checkable
+class DeclaresNeeds(Protocol):
+    """Any strategy: ``needs`` (an attribute or property) says what the cache must record."""
+
+    needs: Needs
+
+
+def needs_of(strategy) -> Needs:
+    """The strategy's declared needs (nothing for a strategy without the hook)."""
+    if isinstance(strategy, DeclaresNeeds):
+        needs = strategy.needs
+        require(isinstance(needs, Needs), f"{type(strategy).__name__}.needs", type(needs).__name__,
+                "a kvcompress.protocols.Needs")
+        return needs
+    return Needs()
 
 
 @runtime_checkable
@@ -58,6 +128,66 @@ class Scorer(Protocol):
 class Guard(Protocol):
     def __call__(self, state: KVState) -> Tensor:
         """Slots that must never be merged or dropped, [B, H, N] bool."""
+        ...
+
+
+@runtime_checkable
+class CrossLayerGuard(Protocol):
+    """A guard that decides from every layer at once (``Pipeline.prepare`` hands it all layers'
+    states before any is compressed); the pipeline's needs then include ``all_layers``."""
+
+    def prepare(self, states: Sequence[KVState], budget: Tensor, already: Tensor) -> None:
+        """states: one KVState per layer; budget: [B] slots per head; already: [B, T] bool
+        tokens protected anyway (sinks, recent window)."""
+        ...
+
+    def prepared_for(self, state: KVState) -> bool:
+        """True when ``prepare`` decided for this state's sequence."""
+        ...
+
+
+@runtime_checkable
+class PersistentGuard(Protocol):
+    """A guard whose slots (when ``persistent`` is True) are marked once in ``stats["guarded"]``,
+    so later compressions keep them without deciding again."""
+
+    persistent: bool
+
+
+@runtime_checkable
+class DecodeScoped(Protocol):
+    """A clusterer's decode-time scope: "tail" (only slots not yet compressed are clustered) or
+    "all" (every clusterable slot, the default)."""
+
+    decode_scope: str
+
+
+@runtime_checkable
+class FloorAware(Protocol):
+    """A clusterer that knows the smallest cache one compression can reach."""
+
+    def min_slots(self, valid: Tensor, chunk_ids: Tensor) -> Tensor:
+        """valid: [B, H, N] bool; chunk_ids: [B, H, N] long -> [B, H] long."""
+        ...
+
+
+@runtime_checkable
+class AppendMonotone(Protocol):
+    """A chunker whose floor (anchors + one slot per chunk) never drops when raw tokens are
+    appended, when ``append_monotone`` is True (lets DecodeCompressor remember floors)."""
+
+    append_monotone: bool
+
+
+@runtime_checkable
+class OpenTail(Protocol):
+    """A chunker whose last run stays open until a boundary closes it (e.g. the delimiter
+    chunker): decode-time tail compression then clusters only completed chunks first."""
+
+    def open_tail_start(self, state: KVState, frontier: Tensor, window_start: Tensor) -> Tensor | None:
+        """frontier, window_start: [B] long token positions -> [B] long: the first position of
+        the run still open before the recent window (``frontier`` when none is closed), or
+        None when the chunker cannot tell for this state."""
         ...
 
 

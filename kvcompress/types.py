@@ -23,8 +23,12 @@ class KVState:
 
     keys:      [B, H, N, D]  cached keys (after RoPE), one row per slot
     values:    [B, H, N, D]
-    log_sizes: [B, H, N]     float32; log of how many tokens a slot stands for
-                             (0 = an untouched token, -inf = a padding slot)
+    log_sizes: [B, H, N]     float32; the per-slot additive attention bias, added to the scaled
+                             logits (-inf = a padding slot). Proportional attention is the case
+                             log_sizes == log(counts) (0 = an untouched token); a fitted merger
+                             may set any finite bias
+    counts:    [B, H, N]     float32 or None; how many original tokens a slot stands for (0 for
+                             padding). None means exp(log_sizes); read it with token_counts()
     positions: [B, H, N]     long; index in the token stream of the slot's representative
                              token (the earliest member for GSC, the B token for CSM);
                              -1 for padding slots
@@ -33,8 +37,11 @@ class KVState:
     seq_start: [B]           long or None; index of the first real (non left-padding) token
     num_tokens: int          T, tokens seen (slots may be fewer)
     vocab:     tuple of str  or None; decoded text of every token id (for text-aware chunkers)
-    extras:    dict          per-slot statistics [B, H, N, ...] that merging sums over members
-                             (e.g. accumulated attention), or anything else a strategy carries
+    stats:     dict[str, Tensor]  per-slot statistics [B, H, N, ...] that every merger SUMS over
+                             members and that the cache pads with zeros for appended tokens
+                             (e.g. "attn_acc", the guard mark)
+    extras:    dict          carried data, never classified by shape and never merged (e.g.
+                             "queries" [B, Hq, W, D], "reference_queries", the decode frontier)
     """
 
     keys: Tensor
@@ -47,6 +54,8 @@ class KVState:
     seq_start: Tensor | None = None
     vocab: tuple[str, ...] | None = None
     extras: dict = field(default_factory=dict)
+    counts: Tensor | None = None
+    stats: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -111,9 +120,15 @@ class KVState:
         """[B, H, N] bool: slots that hold tokens (not padding)."""
         return self.log_sizes > NEG_INF
 
+    def token_counts(self) -> Tensor:
+        """[B, H, N] float32: original tokens each slot stands for (0 for padding)."""
+        if self.counts is None:
+            return self.log_sizes.exp()
+        return self.counts.masked_fill(~self.valid, 0.0)
+
     def sizes(self) -> Tensor:
-        """[B, H, N] float32: tokens per slot (0 for padding)."""
-        return self.log_sizes.exp()
+        """[B, H, N] float32: tokens per slot (0 for padding); the same as ``token_counts()``."""
+        return self.token_counts()
 
     def start(self) -> Tensor:
         """[B] long: first real token index per batch row."""
@@ -177,6 +192,17 @@ class KVState:
         if self.seq_start is not None:
             require(tuple(self.seq_start.shape) == (B,), "seq_start", tuple(self.seq_start.shape), f"shape ({B},)")
             tensors["seq_start"] = self.seq_start
+        if self.counts is not None:
+            require(tuple(self.counts.shape) == (B, H, N) and self.counts.dtype == torch.float32,
+                    "counts", (tuple(self.counts.shape), self.counts.dtype),
+                    f"a float32 tensor of shape {(B, H, N)} or None")
+            tensors["counts"] = self.counts
+        require(isinstance(self.stats, dict), "stats", type(self.stats).__name__, "a dict of per-slot tensors")
+        for name, x in self.stats.items():
+            require(isinstance(x, Tensor) and x.dim() >= 3 and tuple(x.shape[:3]) == (B, H, N),
+                    f"stats[{name!r}]", tuple(getattr(x, "shape", ())) if isinstance(x, Tensor) else type(x).__name__,
+                    f"a per-slot tensor of shape {(B, H, N)} + trailing dims")
+            tensors[f"stats[{name!r}]"] = x
         check_same_device(tensors)
         check_finite("keys", k)
         check_finite("values", v)

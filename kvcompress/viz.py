@@ -6,7 +6,7 @@
     render_png(view, "viz.png")
 
 Membership is tracked by the pipeline itself, not re-derived: the state gets a one-hot "member"
-extra ``[B, H, N, N]`` (slot n holds token n) and every merger sums per-slot extras over the
+statistic ``[B, H, N, N]`` (slot n holds token n) and every merger sums per-slot stats over the
 members of a cluster, so after any number of rounds slot m's row says exactly which original
 tokens it stands for (CentroidKV's multi-round centroids included). Tokens no slot covers were
 dropped (eviction).
@@ -156,10 +156,10 @@ def cluster_view(
     anchors = state.valid & ~protected & (chunk_ids < 0)
 
     eye = torch.eye(N, dtype=torch.float32, device=state.keys.device)
-    tracked = state.replace(extras={**state.extras, MEMBER_KEY: eye.expand(1, H, N, N).clone()})
+    tracked = state.replace(stats={**state.stats, MEMBER_KEY: eye.expand(1, H, N, N).clone()})
     compressed, report = pipeline.compress(tracked, layer_idx)
 
-    members = compressed.extras.get(MEMBER_KEY)
+    members = compressed.stats.get(MEMBER_KEY)
     M = compressed.num_slots
     if isinstance(members, Tensor) and tuple(members.shape) == (1, H, M, N):
         # share of token n held by slot m: 1 or 0 for mean-style merges; CaM spreads a merged
@@ -220,7 +220,8 @@ def _row(state: KVState, b: int) -> KVState:
               for k, v in state.extras.items()}
     return state.replace(keys=cut(state.keys), values=cut(state.values), log_sizes=cut(state.log_sizes),
                          positions=cut(state.positions), token_ids=cut(state.token_ids),
-                         protected=cut(state.protected), seq_start=cut(state.seq_start), extras=extras)
+                         protected=cut(state.protected), seq_start=cut(state.seq_start), extras=extras,
+                         counts=cut(state.counts), stats={k: cut(v) for k, v in state.stats.items()})
 
 
 def _texts_from_state(state: KVState) -> list[str]:

@@ -42,8 +42,8 @@ def make_state(
     """An uncompressed random state with token ids over ``vocab``.
 
     pad: optional list of left-padding lengths per row.
-    with_membership: extras["member"] [B, H, N, T] one-hot of each slot's tokens; the mergers sum
-    extras over members, so after any number of merges it says which tokens each slot holds.
+    with_membership: stats["member"] [B, H, N, T] one-hot of each slot's tokens; the mergers sum
+    stats over members, so after any number of merges it says which tokens each slot holds.
     """
     gen = torch.Generator().manual_seed(seed)
     keys = random_keys(gen, B, H, N, D, prototypes)
@@ -60,7 +60,7 @@ def make_state(
         member = torch.eye(N).expand(B, H, N, N).clone()
         if mask is not None:
             member = member * mask[:, None, :, None].float()
-        state = state.replace(extras={"member": member})
+        state = state.replace(stats={"member": member})
     return state
 
 
@@ -134,8 +134,8 @@ def min_gap_to_tau(keys: torch.Tensor, chunk_ids: torch.Tensor, tau: float) -> f
 
 
 def members_of(state: KVState) -> torch.Tensor:
-    """[B, H, N, T] float: how many times each token is inside each slot (needs extras['member'])."""
-    return state.extras["member"]
+    """[B, H, N, T] float: how many times each token is inside each slot (needs stats['member'])."""
+    return state.stats["member"]
 
 
 def token_chunk_ids(token_ids: torch.Tensor, start: torch.Tensor, delimiters=DELIMITER_TEXTS, vocab=BPE_VOCAB):

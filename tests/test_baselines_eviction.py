@@ -20,7 +20,8 @@ def make_state(B=2, H=3, N=16, D=4, pad=(0, 3), seed=0, **extras) -> KVState:
         mask[b, :p] = 0
     state = KVState.from_raw(torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g),
                              attention_mask=mask)
-    return state.replace(extras=extras)
+    stats = {k: extras.pop(k) for k in ("attn_acc",) if k in extras}  # per-slot statistics
+    return state.replace(extras=extras, stats=stats)
 
 
 def ref_evict(state: KVState, protected: torch.Tensor, target: torch.Tensor, scores: torch.Tensor,
@@ -150,9 +151,10 @@ def test_recompress_after_decoding(preset):
     pipe = Pipeline(cfg)
     out, _ = pipe.compress(state)
     extras = {**out.extras, "queries": torch.randn(2, 6, 4, 4)}
-    if "attn_acc" in extras:
-        extras["attn_acc"] = torch.rand(out.log_sizes.shape).masked_fill(~out.valid, 0)
-    grown = append_tokens(out.replace(extras=extras), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4))
+    stats = dict(out.stats)
+    if "attn_acc" in stats:
+        stats["attn_acc"] = torch.rand(out.log_sizes.shape).masked_fill(~out.valid, 0)
+    grown = append_tokens(out.replace(extras=extras, stats=stats), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4))
     again, report = pipe.compress(grown)
     assert report.budget_met and torch.equal(again.valid.sum(-1), pipe.target_slots(grown))
     assert (again.positions[again.valid] < 26).all()
@@ -168,7 +170,7 @@ def test_h2o_decode_uses_accumulated_attention():
     state = make_state(B=1, H=1, N=12, pad=(0,), queries=torch.randn(1, 2, 4, 4), attn_acc=torch.zeros(1, 1, 12))
     pipe = Pipeline("h2o", max_slots=6, query_window=4)
     acc = torch.arange(12, 0, -1).float()[None, None]  # the earliest slots are the heaviest
-    out, _ = pipe.compress(state.replace(extras={**state.extras, "attn_acc": acc}))
+    out, _ = pipe.compress(state.replace(stats={**state.stats, "attn_acc": acc}))
     # 3 recent (positions 9..11) + 3 heaviest (positions 0..2)
     assert out.positions[0, 0].tolist() == [0, 1, 2, 9, 10, 11]
 

@@ -22,7 +22,8 @@ def make_state(B=2, H=2, N=18, D=4, pad=(0, 3), seed=0, dup_pairs=False, **extra
     for b, p in enumerate(pad[:B]):
         mask[b, :p] = 0
     state = KVState.from_raw(keys, torch.randn(B, H, N, D, generator=g), attention_mask=mask)
-    return state.replace(extras=extras)
+    stats = {k: extras.pop(k) for k in ("attn_acc",) if k in extras}  # per-slot statistics
+    return state.replace(extras=extras, stats=stats)
 
 
 def ref_keep(state, free, target, scores, share):
@@ -208,7 +209,7 @@ def test_d2o_matches_loops(proportional, threshold, chunker, recent):
     out, report = pipe.compress(state)
     assert report.budget_met
     chunk, target = pipeline_parts(pipe, state)
-    keep = ref_keep(state, (chunk >= 0) & state.valid, target, state.extras["attn_acc"], 0.5)
+    keep = ref_keep(state, (chunk >= 0) & state.valid, target, state.stats["attn_acc"], 0.5)
     ref, taus = ref_d2o(state, chunk, keep, threshold, proportional)
     n_merged = 0
     for (b, h), slots in ref.items():
@@ -229,12 +230,12 @@ def test_d2o_threshold_follows_an_ema_while_decoding():
     pipe = Pipeline("d2o", keep_ratio=0.5, query_window=4)
     out, _ = pipe.compress(state)
     tau0 = out.extras[TAU_KEY].clone()
-    grown = append_tokens(out.replace(extras={**out.extras, "attn_acc": torch.rand(out.log_sizes.shape)}),
+    grown = append_tokens(out.replace(stats={**out.stats, "attn_acc": torch.rand(out.log_sizes.shape)}),
                           torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4))
     again, report = pipe.compress(grown)
     assert report.budget_met
     chunk, target = pipeline_parts(pipe, grown)
-    keep = ref_keep(grown, (chunk >= 0) & grown.valid, target, grown.extras["attn_acc"], 0.5)
+    keep = ref_keep(grown, (chunk >= 0) & grown.valid, target, grown.stats["attn_acc"], 0.5)
     _, taus = ref_d2o(grown, chunk, keep, None, False, prev_tau=tau0, beta=0.7)
     for (b, h), tau in taus.items():
         assert abs(float(again.extras[TAU_KEY][b, h]) - tau) < 1e-6
@@ -295,7 +296,7 @@ def test_recompress_after_decoding(preset):
     pipe = Pipeline(preset, keep_ratio=0.5, query_window=4)
     out, _ = pipe.compress(state)
     acc = torch.rand(out.log_sizes.shape).masked_fill(~out.valid, 0)
-    grown = append_tokens(out.replace(extras={**out.extras, "attn_acc": acc}),
+    grown = append_tokens(out.replace(stats={**out.stats, "attn_acc": acc}),
                           torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4))
     again, report = pipe.compress(grown)
     assert report.budget_met and torch.equal(again.valid.sum(-1), pipe.target_slots(grown))

@@ -17,12 +17,12 @@ def stats_state(cfg: PipelineConfig, B=2, H=2, Hq=4, N=100, D=8, seed=0) -> KVSt
     mask[1, :4] = 0
     state = KVState.from_raw(torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g),
                              attention_mask=mask)
-    extras = {}
+    extras, stats = {}, {}
     if cfg.query_window:
         extras["queries"] = torch.randn(B, Hq, min(cfg.query_window, N), D, generator=g)
     if cfg.track_attention:
-        extras["attn_acc"] = torch.rand(B, H, N, generator=g).masked_fill(~state.valid, 0)
-    return state.replace(extras=extras)
+        stats["attn_acc"] = torch.rand(B, H, N, generator=g).masked_fill(~state.valid, 0)
+    return state.replace(extras=extras, stats=stats)
 
 
 def test_every_baseline_is_registered():

@@ -147,7 +147,7 @@ def test_h2o_uses_accumulated_attention_when_there_is_some():
     acc = torch.rand(2, 2, 12)
     acc[1, 0] = 0.0  # this head has accumulated nothing yet: prefill scoring from the window
     q = torch.randn(2, 4, 3, 4)
-    got = SCORERS.create("h2o")(state.replace(extras={"attn_acc": acc, "queries": q}))
+    got = SCORERS.create("h2o")(state.replace(stats={"attn_acc": acc}, extras={"queries": q}))
     win = ref_window_attention(state, q).float()
     valid = state.valid
     torch.testing.assert_close(got[0], acc[0].masked_fill(~valid[0], 0))
@@ -175,7 +175,7 @@ def test_missing_statistics_are_clear_errors():
     with pytest.raises(ValueError, match="track_attention"):
         SCORERS.create("h2o")(state)
     with pytest.raises(ValueError, match="query_window"):  # prefill, nothing accumulated, no queries
-        SCORERS.create("h2o")(state.replace(extras={"attn_acc": torch.zeros(2, 2, 12)}))
+        SCORERS.create("h2o")(state.replace(stats={"attn_acc": torch.zeros(2, 2, 12)}))
     with pytest.raises(ValueError, match="query_window"):  # asks for more queries than captured
         SCORERS.create("snapkv", {"window": 8})(state.replace(extras={"queries": torch.randn(2, 4, 4, 4)}))
     with pytest.raises(ValueError, match="queries"):  # wrong head count

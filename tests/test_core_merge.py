@@ -103,15 +103,68 @@ def test_identical_tokens_merge_into_one_slot_of_size_n_bit_for_bit():
     assert torch.allclose(merged.sizes(), torch.full((1, 2, 1), float(N)))
 
 
-def test_merger_sums_extras_over_members_and_keeps_protected_flags():
+def test_merger_sums_stats_over_members_carries_extras_and_keeps_protected_flags():
     state = KVState.from_raw(torch.randn(1, 1, 4, 3), torch.randn(1, 1, 4, 3),
                              protected=torch.tensor([[[True, False, False, False]]]))
-    state = state.replace(extras={"attn": torch.tensor([[[1.0, 2.0, 4.0, 8.0]]]), "note": "kept as is"})
+    # "queries" shaped exactly like a per-slot tensor (Hq == H, W == N): carried, never summed
+    queries = torch.randn(1, 1, 4, 3)
+    state = state.replace(stats={"attn": torch.tensor([[[1.0, 2.0, 4.0, 8.0]]])},
+                          extras={"queries": queries, "note": "kept as is"})
     merged = apply_merge_plan(state, torch.tensor([[[0, 1, 1, -1]]]))
-    assert merged.extras["attn"].tolist() == [[[1.0, 6.0]]]
+    assert merged.stats["attn"].tolist() == [[[1.0, 6.0]]]
     assert merged.extras["note"] == "kept as is"
+    assert merged.extras["queries"] is queries
     assert merged.protected.tolist() == [[[True, False]]]
     assert merged.positions.tolist() == [[[0, 1]]]
+    assert merged.counts is None  # counts stay implicit (exp(log_sizes)) when they were
+    assert merged.token_counts().tolist() == [[[1.0, 2.0]]]
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), N=st.integers(1, 16), p_merge=st.sampled_from([0.3, 0.7]),
+       p_drop=st.sampled_from([0.0, 0.2]), weighting=st.sampled_from(["size", "uniform"]))
+def test_explicit_counts_merge_bit_identical_to_implicit_ones(seed, N, p_merge, p_drop, weighting):
+    """counts == exp(log_sizes) given explicitly: the same keys, values and biases bit for bit,
+    and the counts add up over members (padding 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, D = 2, 2, 4
+    state = KVState.from_raw(torch.randn(B, H, N, D, generator=gen), torch.randn(B, H, N, D, generator=gen))
+    state = apply_merge_plan(state, _random_plan(gen, B, H, N, 0.5, 0.0))  # sizes > 1
+    explicit = state.replace(counts=state.log_sizes.exp())
+    parent = torch.where(state.valid, _random_plan(gen, B, H, state.num_slots, p_merge, p_drop), -1)
+    a = apply_merge_plan(state, parent, weighting)
+    b = apply_merge_plan(explicit, parent, weighting)
+    for name in ("keys", "values", "log_sizes", "positions"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    expected = torch.zeros(B, H, a.num_slots)
+    for bb in range(B):
+        for h in range(H):
+            reps = [r for r in range(state.num_slots) if int(parent[bb, h, r]) == r]
+            for m, r in enumerate(reps):
+                members = (parent[bb, h] == r).nonzero().flatten()
+                expected[bb, h, m] = explicit.counts[bb, h, members].sum()
+    torch.testing.assert_close(b.counts, expected, rtol=1e-6, atol=0)
+    assert torch.equal(b.token_counts(), b.counts.masked_fill(~b.valid, 0.0))
+    b.validate()
+
+
+def test_counts_weigh_the_mean_when_the_bias_is_fitted():
+    """A fitted merger's finite bias is not a size: the mean weighs by counts."""
+    keys = torch.tensor([[[[0.0], [3.0]]]])
+    state = KVState.from_raw(keys, keys.clone())
+    fitted = state.replace(log_sizes=torch.tensor([[[5.0, -2.0]]]), counts=torch.tensor([[[1.0, 2.0]]]))
+    merged = apply_merge_plan(fitted, torch.tensor([[[0, 0]]]))
+    assert merged.keys.flatten().tolist() == [2.0]  # (1 * 0 + 2 * 3) / 3
+    assert merged.counts.tolist() == [[[3.0]]]
+    assert math.isclose(float(merged.log_sizes), math.log(3.0), rel_tol=1e-6)
+
+
+def test_validate_rejects_misshaped_counts_and_stats():
+    state = KVState.from_raw(torch.randn(1, 2, 5, 3), torch.randn(1, 2, 5, 3))
+    with pytest.raises(ValueError, match="counts"):
+        state.replace(counts=torch.ones(1, 2, 4)).validate()
+    with pytest.raises(ValueError, match="stats"):
+        state.replace(stats={"attn_acc": torch.ones(1, 2, 4)}).validate()
 
 
 def test_identity_plan_returns_the_same_state():

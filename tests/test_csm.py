@@ -222,9 +222,9 @@ def test_centroids_are_degree_weighted_means_of_their_tokens(N, seed, keep):
     every final key/value must be the plain mean of the original tokens it stands for."""
     state = random_state(1, 2, N, 4, seed)
     onehot = torch.eye(N).expand(1, 2, N, N).clone()
-    state = state.replace(extras={"members": onehot})
+    state = state.replace(stats={"members": onehot})
     out, report = small_pipeline(keep_ratio=keep, **{"chunker.size": 8}).compress(state)
-    members = out.extras["members"]  # [1, 2, M, N] counts
+    members = out.stats["members"]  # [1, 2, M, N] counts
     size = out.log_sizes.exp()
     assert torch.allclose(members.sum(-1)[out.valid], size[out.valid], atol=1e-4)
     mean_k = members @ state.keys / members.sum(-1, keepdim=True).clamp(min=1)

@@ -22,7 +22,7 @@ VOCAB = tuple([f" w{chr(97 + i)}" for i in range(10)] + [".", " 7", "\n"])
 
 
 def _members(state: KVState) -> torch.Tensor:
-    return state.extras["member"]  # [B, H, M, T]: tokens each slot holds
+    return state.stats["member"]  # [B, H, M, T]: tokens each slot holds
 
 
 def _text_state(seed: int, B=1, H=2, T=200, D=16, digits_at=(), sentence_len=10) -> KVState:
@@ -36,7 +36,7 @@ def _text_state(seed: int, B=1, H=2, T=200, D=16, digits_at=(), sentence_len=10)
     values = torch.randn(B, H, T, D, generator=gen)
     st_ = KVState.from_raw(keys, values, token_ids=ids, vocab=VOCAB)
     member = torch.eye(T).expand(B, H, T, T).clone()
-    return st_.replace(extras={"member": member})
+    return st_.replace(stats={"member": member})
 
 
 # ---------------------------------------------------------------------------- sentence cutting
@@ -130,7 +130,7 @@ def test_literal_signal_keeps_the_sentence_with_the_number_whole_at_a_quarter():
         holders = members[..., t] > 0
         assert int(holders.sum()) == state.num_heads
         assert bool((out.log_sizes.exp()[holders] == 1).all())
-    assert int(out.extras[GUARD_MARK].sum()) == 10 * state.num_heads
+    assert int(out.stats[GUARD_MARK].sum()) == 10 * state.num_heads
 
 
 def test_query_signal_finds_the_sentence_the_queries_attend_to():
@@ -213,7 +213,7 @@ def test_the_input_state_is_untouched_and_a_failure_changes_nothing():
     cfg = kc.get_preset("semanticache-safe", keep_ratio=0.02, sinks=2, recent=4)
     with pytest.raises(kc.BudgetError):
         kc.Pipeline(cfg).compress(state.replace(extras={**state.extras, "queries": torch.randn(1, 4, 8, 16)}))
-    assert GUARD_MARK not in state.extras
+    assert GUARD_MARK not in state.stats
     torch.testing.assert_close(state.keys, before["keys"], rtol=0, atol=0)
     torch.testing.assert_close(state.log_sizes, before["log_sizes"], rtol=0, atol=0)
 

@@ -18,7 +18,7 @@ SAFE = dict(keep_ratio=0.5, sinks=2, recent=4, chunker={"name": "fixed", "params
 
 def _guarded_positions(layer) -> list[set]:
     st = layer.state()
-    mark = st.extras[GUARD_MARK] > 0  # [B, H, N]
+    mark = st.stats[GUARD_MARK] > 0  # [B, H, N]
     return [set(st.positions[0, h][mark[0, h]].tolist()) for h in range(st.num_heads)]
 
 
@@ -35,7 +35,7 @@ def test_every_layer_and_head_protects_the_same_tokens_and_budget_is_met():
         assert all(p == set(chosen) for p in _guarded_positions(layer))
         st = layer.state()
         sizes = st.log_sizes.exp()
-        mark = st.extras[GUARD_MARK] > 0
+        mark = st.stats[GUARD_MARK] > 0
         assert bool((sizes[mark] == 1).all())  # guarded slots hold one token each
         assert bool((layer.valid_slots() <= 40).all())
     assert cache.stats["prefill_compressions"] == 3

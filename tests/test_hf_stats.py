@@ -49,6 +49,45 @@ def test_query_window_keeps_the_last_w_post_rope_queries():
     handle.remove()
 
 
+@pytest.mark.parametrize("pad", [0, 5])
+def test_reference_queries_are_strided_over_the_prefill_last_included(pad):
+    """A strategy declaring Needs(reference_queries=R) gets R post-RoPE prefill queries per layer,
+    at positions start + round(k (L_real - 1) / (R - 1)), kept through the prefill compression."""
+    from dataclasses import dataclass
+
+    from kvcompress.protocols import Needs
+    from kvcompress.registry import GUARDS
+
+    @dataclass(frozen=True)
+    class _WantsReferences:
+        needs = Needs(reference_queries=5)
+
+        def __call__(self, state):
+            return torch.zeros_like(state.valid)
+
+    GUARDS.register("test-wants-references")(_WantsReferences)
+    try:
+        model = tiny_model(seed=64)
+        cache = make_cache(model, **MERGING, guards=[{"name": "test-wants-references"}])
+        seen, handle = _capture_queries(model, 1)
+        L = 41
+        ids = prompt_ids(65, L)
+        mask = torch.ones(1, L, dtype=torch.long)
+        mask[:, :pad] = 0
+        _forward(model, ids, cache, attention_mask=mask)
+        handle.remove()
+        assert cache.layers[1].n < L  # compressed in the prefill, the queries kept
+        got = cache.layers[1].state().extras["reference_queries"]
+        real = L - pad
+        want_pos = [pad + round(k * (real - 1) / 4) for k in range(5)]
+        assert want_pos[-1] == L - 1
+        torch.testing.assert_close(got, seen[0][:, :, want_pos], atol=1e-5, rtol=0)
+        _forward(model, prompt_ids(66, 1), cache, attention_mask=torch.ones(1, L + 1, dtype=torch.long))
+        torch.testing.assert_close(cache.layers[1].state().extras["reference_queries"], got)  # decode keeps them
+    finally:
+        GUARDS.unregister("test-wants-references")
+
+
 def test_attention_received_matches_eager_attention_weights():
     """attn_acc[b, h, j] = sum over forwards, queries and the query heads of KV head h of the
     attention probability of slot j (merge nothing: slot j is token j)."""
@@ -68,7 +107,7 @@ def test_attention_received_matches_eager_attention_weights():
             B, Hq, q, N = weights.shape
             want[layer][:, :, :N] += weights.reshape(B, 2, Hq // 2, q, N).sum(dim=(2, 3))
     for layer in range(2):
-        got = cache.layers[layer].state().extras["attn_acc"]
+        got = cache.layers[layer].state().stats["attn_acc"]
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want[layer], atol=1e-4, rtol=0)
 
@@ -77,7 +116,7 @@ def test_attention_received_is_summed_over_merged_members():
     model = tiny_model(seed=58)
     cache = make_cache(model, **MERGING, track_attention=True)
     _forward(model, prompt_ids(59, 40), cache)
-    acc = cache.layers[0].state().extras["attn_acc"]
+    acc = cache.layers[0].state().stats["attn_acc"]
     # every query's probabilities sum to 1 per query head: total = 40 queries x 2 heads per group
     torch.testing.assert_close(acc.sum(-1), torch.full((1, 2), 80.0), atol=1e-3, rtol=0)
     assert cache.layers[0].n < 40

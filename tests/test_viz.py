@@ -168,17 +168,17 @@ class _DropOdd:
 
 
 @dataclass(frozen=True)
-class _ForgetExtras:
-    """Test merger that rebuilds the state without its extras."""
+class _ForgetStats:
+    """Test merger that rebuilds the state without its per-slot stats."""
 
     def __call__(self, state, parent):
-        return apply_merge_plan(state, parent).replace(extras={})
+        return apply_merge_plan(state, parent).replace(stats={})
 
 
 @pytest.fixture
 def test_strategies():
     kc.register_clusterer("test-viz-drop-odd")(_DropOdd)
-    kc.register_merger("test-viz-forget")(_ForgetExtras)
+    kc.register_merger("test-viz-forget")(_ForgetStats)
     yield
     kc.CLUSTERERS.unregister("test-viz-drop-odd")
     kc.MERGERS.unregister("test-viz-forget")

@@ -35,7 +35,7 @@ class Snapshot:
     """Per-layer states of an uncompressed prefill (cloned: later appends cannot touch them).
 
     states:    one KVState per layer, keys/values [B, H, T, D]; extras may hold "queries"
-               [B, Hq, W, D] and "attn_acc" [B, H, T]
+               [B, Hq, W, D], stats "attn_acc" [B, H, T]
     token_ids: [B, T] long
     """
 
@@ -97,10 +97,11 @@ class Recorder:
         for layer in self.cache.layers:
             st = layer.state()
             extras = {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.extras.items()
-                      if k in ("queries", "attn_acc")}
+                      if k in ("queries", "reference_queries")}
+            stats = {k: v.clone() for k, v in st.stats.items() if k == "attn_acc"}
             states.append(st.replace(keys=st.keys.clone(), values=st.values.clone(),
                                      log_sizes=st.log_sizes.clone(), positions=st.positions.clone(),
-                                     token_ids=st.token_ids.clone(), extras=extras))
+                                     token_ids=st.token_ids.clone(), extras=extras, stats=stats))
         return Snapshot(states=states, token_ids=self.cache.token_ids.clone(), vocab=self.cache.vocab,
                         geometry=self.cache.geometry, backend=self.backend)
 
@@ -126,19 +127,19 @@ class _EvalPipeline(Pipeline):
         if not self.protect and not self.marks:
             return super().compress(state, layer_idx)
         pos = state.positions  # [B, H, N]; before the first compression a slot is one token
-        extras = dict(state.extras)
+        stats = dict(state.stats)
         for name, (a, b) in self.marks.items():
-            extras[MARK_PREFIX + name] = ((pos >= a) & (pos < b)).float()
+            stats[MARK_PREFIX + name] = ((pos >= a) & (pos < b)).float()
         protected = state.protected
         for a, b in self.protect:
             span = state.valid & (pos >= a) & (pos < b)
             protected = span if protected is None else protected | span
-        out, report = super().compress(state.replace(extras=extras, protected=protected), layer_idx)
+        out, report = super().compress(state.replace(stats=stats, protected=protected), layer_idx)
         if self.marks:
-            self.traces[layer_idx] = {name: trace_mark(out, out.extras[MARK_PREFIX + name], b - a)
+            self.traces[layer_idx] = {name: trace_mark(out, out.stats[MARK_PREFIX + name], b - a)
                                       for name, (a, b) in self.marks.items()}
-        clean = {k: v for k, v in out.extras.items() if not k.startswith(MARK_PREFIX)}
-        return out.replace(extras=clean, protected=None), report
+        clean = {k: v for k, v in out.stats.items() if not k.startswith(MARK_PREFIX)}
+        return out.replace(stats=clean, protected=None), report
 
 
 def trace_mark(state: KVState, count: Tensor, length: int) -> dict:
@@ -198,7 +199,7 @@ def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protec
             require(window == 0 or (queries is not None and queries.shape[2] >= min(window, st.num_tokens)),
                     "snapshot", f"query window {0 if queries is None else queries.shape[2]}",
                     f"a recorder with query_window >= {window} for pipeline {config.name!r}")
-            received = st.extras.get("attn_acc") if track else None
+            received = st.stats.get("attn_acc") if track else None
             require(not track or received is not None, "snapshot", "no attention statistics",
                     f"a recorder with track_attention=True for pipeline {config.name!r}")
             kwargs: dict = {}

@@ -18,11 +18,26 @@ from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
 from .. import decode as _decode
+from ..budget import target_slots
 from ..types import NEG_INF, KVState
 from ..validation import require
 from .attention import STEP_KEY
 
 BUCKET = 256  # capacities and single-token attention views are multiples of this many slots
+REFERENCE_QUERIES = "reference_queries"  # extras key: [B, Hq, R, D] strided prefill queries
+
+
+def strided_queries(query: Tensor, count: int, seq_start: Tensor | None) -> Tensor:
+    """[B, Hq, R, D]: R of the L queries strided evenly over each row's real tokens, the last
+    one included (rows shorter than R repeat queries). query: [B, Hq, L, D] rotated, unscaled."""
+    B, Hq, L, D = query.shape
+    start = torch.zeros(B, dtype=torch.long, device=query.device) if seq_start is None else seq_start.to(query.device)
+    real = (L - start).clamp(min=1).to(torch.float64)  # [B]
+    frac = torch.linspace(0.0, 1.0, count, dtype=torch.float64, device=query.device) if count > 1 else \
+        torch.ones(1, dtype=torch.float64, device=query.device)
+    idx = start[:, None] + torch.round(frac[None, :] * (real[:, None] - 1)).long()  # [B, R]
+    idx = idx.clamp(0, L - 1)
+    return query.gather(2, idx[:, None, :, None].expand(B, Hq, count, D)).contiguous()
 
 
 def _round_up(n: int, multiple: int = BUCKET) -> int:
@@ -134,13 +149,12 @@ class CompressedLayer(CacheLayerMixin):
         extras = dict(self.extras)
         if self.queries is not None:
             extras["queries"] = self.queries
-        for name, buf in self._sx.items():
-            extras[name] = buf[:, :, : self.n]
+        stats = {name: buf[:, :, : self.n] for name, buf in self._sx.items()}
         cache = self.cache
         return KVState(
             keys=self.keys, values=self.values, log_sizes=self.log_sizes, positions=self.positions,
             num_tokens=self.num_tokens, token_ids=cache._ids[:, : self.num_tokens],
-            seq_start=cache._seq_start, vocab=cache.vocab, extras=extras,
+            seq_start=cache._seq_start, vocab=cache.vocab, extras=extras, stats=stats,
         )
 
     def valid_slots(self) -> Tensor:
@@ -220,8 +234,8 @@ class CompressedLayer(CacheLayerMixin):
         self._ls = torch.full((B, H, cap), NEG_INF, dtype=torch.float32, device=device)
         self._pos = torch.full((B, H, cap), -1, dtype=torch.long, device=device)
         if slot_extras is None:
-            cfg = self.cache.config
-            slot_extras = {"attn_acc": ((), torch.float32)} if cfg is not None and cfg.track_attention else {}
+            pipe = self.cache.pipeline
+            slot_extras = {"attn_acc": ((), torch.float32)} if pipe is not None and pipe.needs.attention else {}
         self._sx = {name: torch.zeros(B, H, cap, *shape, dtype=dt, device=device)
                     for name, (shape, dt) in slot_extras.items()}
 
@@ -250,14 +264,8 @@ class CompressedLayer(CacheLayerMixin):
     def _set_state(self, state: KVState) -> None:
         """Write a (compressed) state into new buffers sized to it."""
         B, H, N, D = state.keys.shape
-        slot_extras, other = {}, {}
-        for name, x in state.extras.items():
-            if name == "queries":
-                continue  # the layer keeps its own query window
-            if isinstance(x, Tensor) and x.dim() >= 3 and tuple(x.shape[:3]) == (B, H, N):
-                slot_extras[name] = x
-            else:
-                other[name] = x
+        slot_extras = dict(state.stats)
+        other = {name: x for name, x in state.extras.items() if name != "queries"}  # the layer keeps its queries
         specs = self._slot_extra_specs()
         specs.update({name: (tuple(x.shape[3:]), x.dtype) for name, x in slot_extras.items()})
         self._allocate(B, H, D, state.values.shape[-1], _round_up(N + self._headroom()), state.keys.dtype,
@@ -357,11 +365,15 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ after attention
     def _after_attention(self, step: LayerStep, query: Tensor, received: Tensor | None) -> None:
-        cfg = self.cache.config
-        if cfg is not None and cfg.query_window > 0:
+        pipe = self.cache.pipeline
+        needs = None if pipe is None else pipe.needs
+        if needs is not None and needs.query_window > 0:
             q = query.detach()
             q = q if self.queries is None else torch.cat([self.queries, q], dim=2)
-            self.queries = q[:, :, -cfg.query_window:].contiguous()
+            self.queries = q[:, :, -needs.query_window:].contiguous()
+        if needs is not None and needs.reference_queries > 0 and step.fresh:
+            self.extras[REFERENCE_QUERIES] = strided_queries(query.detach(), needs.reference_queries,
+                                                             self.cache._seq_start)
         if received is not None:
             self._sx["attn_acc"][:, :, : received.shape[-1]] += received
         try:
@@ -424,11 +436,7 @@ class CompressedLayer(CacheLayerMixin):
         """False when no head can hold more than budget + g slots: every head holds at most n
         slots and every row's budget is at least that of the row with the fewest real tokens."""
         cfg = self.cache.config
-        if cfg.max_slots is not None:
-            limit = cfg.max_slots
-        else:
-            fewest = self.num_tokens - self.cache._max_left_pad
-            limit = int(fewest * cfg.keep_ratio + 1e-9)
+        limit = target_slots(self.num_tokens - self.cache._max_left_pad, cfg.keep_ratio, cfg.max_slots)
         return self.n > limit + cfg.recompress_every
 
     # ------------------------------------------------------------------ undo for a failed forward

@@ -134,7 +134,7 @@ class CaMMerger:
 
     proportional: False (the paper: values added as v_e / m, keys and sizes untouched) or True
                   (size-weighted mean of values, sizes add up; consistent with proportional attention)
-    Per-slot extras (accumulated attention) are spread the same way in both modes. Representatives
+    Per-slot stats (accumulated attention) are spread the same way in both modes. Representatives
     that receive nothing stay bit-for-bit as they were.
     """
 
@@ -167,27 +167,30 @@ class CaMMerger:
         share = merged.double() / m.double()  # [B, H, N] fraction of e each target gets
 
         values = state.values.double()
-        sizes = state.log_sizes.exp().double().masked_fill(~valid, 0.0)
+        sizes = state.token_counts().double().masked_fill(~valid, 0.0)
+        counts = state.counts
         if self.proportional:
             mass = sizes * share
             new_sizes = sizes + spread(mass, lo, hi, merged)
             new_values = (sizes[..., None] * values + spread(mass[..., None] * values, lo, hi, merged))
             new_values = new_values / new_sizes.clamp(min=1e-300)[..., None]
             log_sizes = torch.where(covered, new_sizes.log().float(), state.log_sizes)
+            if counts is not None:
+                counts = torch.where(covered, new_sizes.float(), counts)
         else:
             new_values = values + spread(share[..., None] * values, lo, hi, merged)
             log_sizes = state.log_sizes
         values_out = torch.where(covered[..., None], new_values.to(state.values.dtype), state.values)
 
-        extras = {}
-        for name, x in state.extras.items():
-            if isinstance(x, Tensor) and tuple(x.shape[:3]) == (B, H, N) and x.is_floating_point():
+        stats = {}
+        for name, x in state.stats.items():
+            if x.is_floating_point():
                 w = share.view(B, H, N, *([1] * (x.dim() - 3)))
                 got = spread(x.double() * w, lo, hi, merged)
                 cov = covered.view(B, H, N, *([1] * (x.dim() - 3)))
                 x = torch.where(cov, (x.double() + got).to(x.dtype), x)
-            extras[name] = x
+            stats[name] = x
         spread_state = state.replace(values=values_out, log_sizes=log_sizes.masked_fill(~valid, NEG_INF),
-                                     extras=extras)
+                                     counts=counts, stats=stats)
         # merged slots are fully absorbed: drop them and compact the representatives
         return apply_merge_plan(spread_state, torch.where(merged, -1, parent))

@@ -27,6 +27,8 @@ def clusterable(state: KVState, protected: Tensor) -> Tensor:
 class GlobalChunker:
     """No chunking: every clusterable slot of a head is in one chunk (SemantiCache ablation)."""
 
+    append_monotone = True  # appended raw tokens join the one chunk: the floor never drops
+
     def __call__(self, state: KVState, protected: Tensor) -> Tensor:
         free = clusterable(state, protected)
         return torch.where(free, 0, -1).long()
@@ -40,6 +42,7 @@ class FixedSizeChunker:
 
     size: int = 64
     by: str = "tokens"
+    append_monotone = True  # appended raw tokens open or join the last chunk
 
     def __post_init__(self):
         check_int("size", self.size, 1)
@@ -110,6 +113,7 @@ class DelimiterChunker:
 
     delimiters: tuple[str, ...] = DEFAULT_DELIMITERS
     delimiter_ids: tuple[int, ...] | None = None
+    append_monotone = True  # an appended token is an anchor, or opens or joins the last run
 
     def __post_init__(self):
         delims = self.delimiters
@@ -123,6 +127,18 @@ class DelimiterChunker:
     def anchors(self, state: KVState, protected: Tensor) -> Tensor:
         """[B, H, N] bool: delimiter slots that are not otherwise protected."""
         return delimiter_mask(state, self.delimiters, self.delimiter_ids) & clusterable(state, protected)
+
+    def open_tail_start(self, state: KVState, frontier: Tensor, window_start: Tensor) -> Tensor | None:
+        """[B] long: the position after the last delimiter in [frontier, window_start) (the run
+        after it continues into the recent window, still open), else ``frontier``; None without
+        token ids."""
+        if state.token_ids is None:
+            return None
+        delim = delimiter_mask(state, self.delimiters, self.delimiter_ids)  # [B, H, N]
+        pos = state.positions
+        inside = delim & (pos >= frontier[:, None, None]) & (pos < window_start[:, None, None])
+        last = torch.where(inside, pos, -1).amax(dim=(1, 2))  # [B]
+        return torch.where(last >= 0, last + 1, frontier)
 
     def __call__(self, state: KVState, protected: Tensor) -> Tensor:
         anchor = delimiter_mask(state, self.delimiters, self.delimiter_ids) & state.valid

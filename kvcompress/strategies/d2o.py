@@ -151,13 +151,13 @@ class D2OMerger:
         if is_identity_plan(state, plan):
             return state.replace(extras=extras)
 
-        sizes = state.log_sizes.exp()
+        sizes = state.token_counts()
         weight = torch.where(merged, sim.double().exp(), math.e)  # the kept slot: exp(cos(k, k)) = e
         if self.proportional:
             weight = weight * sizes.double()
         log_w = torch.where(valid & (plan >= 0), weight.log().float(), NEG_INF)
         # apply_merge_plan's size-weighted mean with the D2O weights in place of sizes ...
-        out = apply_merge_plan(state.replace(log_sizes=log_w, extras=extras), plan)
+        out = apply_merge_plan(state.replace(log_sizes=log_w, counts=None, extras=extras), plan)
         # ... then the true sizes: summed over members (proportional) or the kept slot's own
         kept = plan >= 0
         contrib = torch.where(kept & (is_rep | self.proportional), sizes, 0.0)
@@ -170,4 +170,5 @@ class D2OMerger:
         # singletons keep their exact log-size; merged slots get log(sum)
         log_sizes = torch.where(members > 1, total.clamp(min=1e-30).log(), rep_log)[..., :M]
         log_sizes = log_sizes.masked_fill(~out.valid, NEG_INF)
-        return out.replace(log_sizes=log_sizes.contiguous())
+        counts = None if state.counts is None else total[..., :M].masked_fill(~out.valid, 0.0).contiguous()
+        return out.replace(log_sizes=log_sizes.contiguous(), counts=counts)

@@ -275,6 +275,7 @@ class GreedySeedClustering:
     search_width: int = 15
     search_passes: int = 3
     dense_limit: int = 1 << 26
+    decode_scope = "tail"  # at decode time only slots not yet compressed are clustered
 
     def __post_init__(self):
         if self.tau is not None:

@@ -1,4 +1,4 @@
-"""Mergers: apply a merge plan to keys, values, sizes, positions and per-slot extras at once.
+"""Mergers: apply a merge plan to keys, values, sizes, positions and per-slot stats at once.
 
 Size bookkeeping lives here only: SemantiCache's "mean" and CentroidKV's "degree" merger are the
 same size-weighted mean (a slot standing for s tokens weighs s), so sizes/degrees accumulate across
@@ -32,7 +32,10 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
     weighting: "size" (members weigh by the tokens they stand for) or "uniform" (each slot
                weighs 1; an ablation). Sizes always add up exactly.
     returns    a state with M = max representatives per head slots; heads with fewer are padded
-               with slots of log-size -inf, zero keys/values and position -1.
+               with slots of log-size -inf, zero keys/values and position -1. Token counts
+               (``state.counts`` when set) and every ``state.stats`` entry are summed over the
+               members; ``state.extras`` is carried unchanged. A merged slot's bias (log_sizes)
+               becomes log of its summed weight (proportional attention); singletons keep theirs.
 
     The mean is computed as rep + sum(w / sum(w) * (member - rep)): a singleton or a cluster of
     identical members comes out bit-for-bit equal to its representative. Work is done on flat
@@ -61,7 +64,7 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
     mem_rep = (row_base * N + safe_parent.reshape(B * H, N)).reshape(-1)[mem_src]  # [Q] its representative
     mem_out = (row_base * M + out_index.reshape(B * H, N)).reshape(-1)[mem_rep]  # [Q]
 
-    sizes = state.log_sizes.exp().reshape(-1)  # [R * N] float32 (0 for padding)
+    sizes = state.token_counts().reshape(-1)  # [R * N] float32 (0 for padding)
     if weighting == "size":
         w_rep, w_mem = sizes[rep_src], sizes[mem_src]
     else:
@@ -106,20 +109,22 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
     positions = gather_reps(state.positions, -1)
     protected = None if state.protected is None else gather_reps(state.protected, False)
 
-    extras = {}
-    kept_src = kept.reshape(-1).nonzero().squeeze(1)
-    kept_out = (row_base * M + out_index.reshape(B * H, N).gather(1, safe_parent.reshape(B * H, N)))
-    kept_out = kept_out.reshape(-1)[kept_src]
-    for name, x in state.extras.items():
-        if isinstance(x, Tensor) and tuple(x.shape[:3]) == (B, H, N):
+    counts = None
+    if state.counts is not None:
+        counts = total.view(B, H, M).clone()  # the counts were the weights' sizes: summed already
+
+    stats = {}
+    if state.stats:
+        kept_src = kept.reshape(-1).nonzero().squeeze(1)
+        kept_out = (row_base * M + out_index.reshape(B * H, N).gather(1, safe_parent.reshape(B * H, N)))
+        kept_out = kept_out.reshape(-1)[kept_src]
+        for name, x in state.stats.items():
             # per-slot statistics (e.g. accumulated attention) add up over members
             flat = _flat_rows(x)
             acc = flat.new_zeros(B * H * M, flat.shape[1]).index_add_(0, kept_out, flat.index_select(0, kept_src))
-            extras[name] = acc.view(B, H, M, *x.shape[3:])
-        else:
-            extras[name] = x
+            stats[name] = acc.view(B, H, M, *x.shape[3:])
     return state.replace(keys=new_keys, values=new_values, log_sizes=log_sizes.contiguous(),
-                         positions=positions, protected=protected, extras=extras)
+                         positions=positions, protected=protected, counts=counts, stats=stats)
 
 
 def is_identity_plan(state: KVState, parent: Tensor) -> bool:

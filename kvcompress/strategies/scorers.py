@@ -8,7 +8,7 @@ Attention statistics come from the cache (see PipelineConfig):
   bias), so a merged slot scores like the group of tokens it stands for. Only a [W, N] block of
   logits per head exists at a time, never the prompt's [N, N] attention matrix.
 - ``track_attention = True``: the cache accumulates the attention each slot receives while
-  decoding in ``state.extras["attn_acc"]`` [B, H_kv, N] (float32, summed over members on merges,
+  decoding in ``state.stats["attn_acc"]`` [B, H_kv, N] (float32, summed over members on merges,
   0 for new slots).
 """
 
@@ -26,7 +26,7 @@ from ..types import KVState
 from ..validation import check_choice, check_int, require
 
 QUERIES = "queries"  # state.extras key: [B, H_q, W, D] last queries of the layer
-ATTN_ACC = "attn_acc"  # state.extras key: [B, H_kv, N] attention accumulated while decoding
+ATTN_ACC = "attn_acc"  # state.stats key: [B, H_kv, N] attention accumulated while decoding
 
 REDUCTIONS = ("sum", "mean")
 
@@ -258,15 +258,15 @@ class H2OScorer:
         _check_scale(self.scale)
 
     def __call__(self, state: KVState) -> Tensor:
-        acc = state.extras.get(ATTN_ACC)
+        acc = state.stats.get(ATTN_ACC)
         has_q = state.extras.get(QUERIES) is not None
-        require(acc is not None or has_q, "h2o: state.extras", sorted(state.extras),
+        require(acc is not None or has_q, "h2o: state.stats/extras", sorted(state.stats) + sorted(state.extras),
                 f"accumulated attention ({ATTN_ACC!r}: set track_attention=True) and/or the last "
                 f"queries ({QUERIES!r}: set query_window > 0) in the PipelineConfig")
         B, H, N = state.log_sizes.shape
         if acc is not None:
             require(isinstance(acc, Tensor) and tuple(acc.shape) == (B, H, N),
-                    f"h2o: state.extras[{ATTN_ACC!r}]", tuple(getattr(acc, "shape", ())), f"shape {(B, H, N)}")
+                    f"h2o: state.stats[{ATTN_ACC!r}]", tuple(getattr(acc, "shape", ())), f"shape {(B, H, N)}")
             acc = acc.float().masked_fill(~state.valid, 0.0)
             accumulated = acc.sum(-1) > 0  # [B, H]
         else:
