@@ -280,3 +280,65 @@ def test_input_state_is_not_modified():
     FittedMerger(key="attention")(state, parent)
     for a, b in zip(before, (state.keys, state.values, state.log_sizes)):
         assert torch.equal(a, b)
+
+
+def test_counts_add_up_apart_from_the_fitted_bias():
+    state, parent = clustered_state(6, N=32)
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(1, 9, state.log_sizes.shape, generator=g).float()
+    state = state.replace(counts=counts)
+    out = FittedMerger()(state, parent)
+    expected = torch.zeros(1, 2, out.num_slots).index_add_(2, cluster_index(parent)[0, 0], counts)
+    assert torch.equal(out.counts, expected)
+    assert torch.equal(out.token_counts(), expected)
+    # the bias is not log(counts): the fit moved it, and it ignores the counts entirely
+    assert not torch.allclose(out.log_sizes, expected.log())
+    again = FittedMerger()(state.replace(counts=None), parent)
+    assert torch.equal(again.log_sizes, out.log_sizes) and torch.equal(again.values, out.values)
+    assert torch.equal(again.counts, torch.full_like(expected, 4.0))  # runs of 4 one-token slots
+
+
+def test_a_fitted_state_is_refitted_from_its_bias_and_keeps_counting_tokens():
+    """Second round on an already fitted state (what a later round or decode-time compression
+    does): bias beta counts as exp(beta) copies, token counts keep adding up, nothing explodes."""
+    state, parent = clustered_state(8, N=64, size=2)
+    first = FittedMerger()(state, parent)
+    assert torch.equal(first.counts, torch.full((1, 2, 32), 2.0))
+    second_plan = (torch.arange(32) // 2 * 2).expand(1, 2, 32).clone()
+    second = FittedMerger()(first, second_plan)
+    assert torch.equal(second.counts, torch.full((1, 2, 16), 4.0))
+    assert bool(torch.isfinite(second.log_sizes).all())
+    # the same as fitting a state that has the first round's biases and no counts at all
+    plain = FittedMerger()(first.replace(counts=None), second_plan)
+    assert torch.equal(plain.log_sizes, second.log_sizes)
+    q = state.extras["reference_queries"]
+    full = outputs(state, q)
+    assert rel_err(second, full, q) < rel_err(apply_merge_plan(apply_merge_plan(state, parent), second_plan), full, q)
+
+
+def test_needs_ask_for_the_prefill_reference_queries():
+    from kvcompress.pipeline import Pipeline
+    from kvcompress.presets import get_preset
+
+    assert FittedMerger(reference_queries=32).needs.reference_queries == 32
+    assert FittedMerger(queries="reconstruction").needs.reference_queries == 0
+    cfg = get_preset("centroidkv").replace(merger={"name": "fitted", "params": {"reference_queries": 16}})
+    assert Pipeline(cfg).needs.reference_queries == 16
+
+
+@pytest.mark.parametrize("clusterer", ["csm", "gsc"])
+def test_works_in_a_pipeline_with_any_clusterer(clusterer):
+    from kvcompress.pipeline import Pipeline
+    from kvcompress.presets import get_preset
+
+    state, _ = clustered_state(9, N=128, size=4)
+    preset = {"csm": "centroidkv", "gsc": "semanticache-fixed64"}[clusterer]
+    cfg = get_preset(preset, keep_ratio=0.25, sinks=2, recent=8).replace(merger={"name": "fitted"})
+    out, report = Pipeline(cfg).compress(state)
+    mean, _ = Pipeline(get_preset(preset, keep_ratio=0.25, sinks=2, recent=8)).compress(state)
+    assert report.budget_met and out.valid.sum(-1).tolist() == mean.valid.sum(-1).tolist()
+    # later rounds see the fitted keys, so the plans may differ; every token is still counted once
+    assert torch.equal(out.token_counts().sum(-1), torch.full((1, 2), 128.0))
+    q = state.extras["reference_queries"]
+    full = outputs(state, q)
+    assert rel_err(out, full, q) < rel_err(mean, full, q)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..protocols import Needs
 from ..registry import register_merger
 from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
@@ -97,28 +98,39 @@ class FittedMerger:
         if self.scale is not None:
             check_range("scale", self.scale, 0.0, 1e3, lo_open=True)
 
+    @property
+    def needs(self) -> Needs:
+        """Prefill reference queries when they are used (the reconstruction scorer records its own)."""
+        return Needs(reference_queries=self.reference_queries if self.queries != "reconstruction" else 0)
+
     def __call__(self, state: KVState, parent: Tensor) -> KVState:
         if is_identity_plan(state, parent):
             return state
         queries = grouped_queries(state, QUERY_SOURCES[self.queries])
-        merged = apply_merge_plan(state, parent)  # bookkeeping and the proportional prior
+        # the proportional prior weighs a slot by its attention bias (a slot of bias beta is
+        # exp(beta) copies for attention), not by its token count: the two differ once fitted
+        merged = apply_merge_plan(state.replace(counts=None), parent)
         cluster = cluster_index(parent)
         B, H, M = merged.log_sizes.shape
         N = state.num_slots
         rows = B * H
-        flat = (torch.arange(rows, device=parent.device)[:, None] * (M + 1)
+        dev = parent.device
+        flat = (torch.arange(rows, device=dev)[:, None] * (M + 1)
                 + torch.where(cluster >= 0, cluster, M).reshape(rows, N)).reshape(-1)
-        members = torch.zeros(rows * (M + 1), device=parent.device).index_add_(
-            0, flat, torch.ones(rows * N, device=parent.device)).view(B, H, M + 1)[:, :, :M]
+
+        def per_cluster(x: Tensor) -> Tensor:  # [B, H, N] -> summed over members [B, H, M]
+            return torch.zeros(rows * (M + 1), device=dev).index_add_(0, flat, x.reshape(-1)).view(B, H, M + 1)[:, :, :M]
+
+        # bookkeeping: token counts add up, whatever the bias becomes
+        counts = per_cluster(state.token_counts().masked_fill(cluster < 0, 0.0))
+        members = per_cluster((cluster >= 0).float())
         # a cluster of identical keys is exact under proportional attention: keep it bit for bit
         own_key = torch.cat([merged.keys, merged.keys.new_zeros(B, H, 1, state.head_dim)], 2)
         own_key = own_key.gather(2, torch.where(cluster >= 0, cluster, M)[..., None].expand_as(state.keys))
-        differs = ((state.keys != own_key).any(-1) & (cluster >= 0)).float()
-        spread = torch.zeros(rows * (M + 1), device=parent.device).index_add_(
-            0, flat, differs.reshape(-1)).view(B, H, M + 1)[:, :, :M]
+        spread = per_cluster(((state.keys != own_key).any(-1) & (cluster >= 0)).float())
         fit = (members >= 2) & (spread > 0)  # [B, H, M]
         if not bool(fit.any()):
-            return merged
+            return merged.replace(counts=counts)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
         res = fit_clusters(
             state.keys, state.values, state.log_sizes, cluster, queries,
@@ -129,4 +141,4 @@ class FittedMerger:
         keys = torch.where(sel, res.keys.to(state.keys.dtype), merged.keys)
         values = torch.where(sel, res.values.to(state.values.dtype), merged.values)
         log_sizes = torch.where(fit, res.bias, merged.log_sizes)
-        return merged.replace(keys=keys, values=values, log_sizes=log_sizes.contiguous())
+        return merged.replace(keys=keys, values=values, log_sizes=log_sizes.contiguous(), counts=counts)

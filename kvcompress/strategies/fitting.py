@@ -90,7 +90,6 @@ def fit_clusters(
     power: float = 1.0,
     ridge: float = 1.0,
     key: str = "mean",
-    visible: Tensor | None = None,
 ) -> FitResult:
     """Fit one slot per cluster to the cluster's attention over reference queries.
 
@@ -103,7 +102,6 @@ def fit_clusters(
                   sizes) the fit shrinks toward; prior_keys are the keys attention will use
                   with key="mean"
     scale:        logit scale (1/sqrt(D) for most models)
-    visible:      [B, H, P, N] bool or None: which slots each query may see (causal masks)
     """
     B, H, N, D = keys.shape
     M = prior_bias.shape[-1]
@@ -115,8 +113,6 @@ def fit_clusters(
 
     # logits of every slot for every query, one row per slot: [B*H*N, P]
     s = torch.einsum("bhnd,bhpd->bhnp", k32, q).mul_(scale).add_(bias[..., None])
-    if visible is not None:
-        s = s.masked_fill(~visible.transpose(2, 3), NEG_INF)
     log_z = torch.logsumexp(s, dim=2)  # [B, H, P] the full rows' log-mass
     s_flat = s.reshape(rows * N, P)
 
@@ -166,7 +162,7 @@ def fit_clusters(
     alpha_v = _shrink(n_eff2, ridge)
     norm2 = w2 / w2_sum[..., None].clamp(min=1e-30)
     # the full rows' outputs O_r [B, H, P, D]
-    probs = torch.softmax(s, dim=2).nan_to_num_(0.0)  # rows with nothing visible -> 0
+    probs = torch.softmax(s, dim=2).nan_to_num_(0.0)  # a row of padding only: no output
     row_out = torch.einsum("bhnp,bhnd->bhpd", probs, v32)
     value_fit = member_mean(norm2 * rho, v32) + torch.einsum("bhmp,bhpd->bhmd", norm2 * (1 - rho), row_out)
     slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])

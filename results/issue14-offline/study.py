@@ -56,12 +56,16 @@ for preset in a.presets.split(","):
                 layers = range(L) if a.layers is None else [int(x) for x in a.layers.split(",")]
                 for l in layers:
                     cfg = get_preset(preset, keep_ratio=budget)
+                    R = a.R
                     if vparams is not None:
-                        cfg = cfg.replace(merger=StrategySpec("fitted", vparams))
+                        vp = dict(vparams)
+                        R = vp.pop("_R", a.R)
+                        cfg = cfg.replace(merger=StrategySpec("fitted", vp))
                     pipe = Pipeline(cfg)
                     st = KVState.from_raw(K[l, :, :P0][None], V[l, :, :P0][None], token_ids=ids[None, :P0], vocab=vocab)
-                    ref = Q[l][:, stride_idx(P0, a.R)][None]
-                    extras = {"reference_queries": ref, "queries": Q[l][:, P0 - 32:P0][None]}
+                    ref = Q[l][:, stride_idx(P0, R)][None]
+                    extras = {"reference_queries": ref, "queries": Q[l][:, P0 - 32:P0][None],
+                              "reference_positions": stride_idx(P0, R)}
                     st = st.replace(extras=extras)
                     t = time.perf_counter()
                     cs, rep = pipe.compress(st, layer_idx=l)
