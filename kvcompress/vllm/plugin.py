@@ -30,6 +30,7 @@ def register_backend_override() -> None:
     if name not in _ORIGINAL:
         _ORIGINAL[name] = _ATTN_OVERRIDES.get(name)
     register_backend(name, BACKEND)
+    _forget_resolved_backends()
 
 
 def unregister_backend_override() -> None:
@@ -42,6 +43,17 @@ def unregister_backend_override() -> None:
         else:
             _ATTN_OVERRIDES[name] = previous
     _ORIGINAL.clear()
+    _forget_resolved_backends()
+
+
+def _forget_resolved_backends() -> None:
+    # vLLM memoizes the backend class each selection resolved to: an engine made earlier in
+    # this process would otherwise pin the next one to the old mapping
+    from vllm.v1.attention import selector
+
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
 
 
 def register() -> None:

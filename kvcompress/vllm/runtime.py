@@ -59,7 +59,8 @@ class WorkerState:
     queries: dict = field(default_factory=dict)  # (req_id, layer) -> [W, Hq, D]
     scheduled: dict | None = None  # req_id -> tokens scheduled in the step being run
     plan: StepPlan | None = None
-    history: list = field(default_factory=list)  # (req_id, Record) of every compression, for reports
+    history: list = field(default_factory=list)  # (req_id, Record, seconds, valid slots) per compression
+    max_batch: int = 0  # most requests in one step's batch (concurrency)
 
     def ensure_bias(self, num_slots: int, columns: int, device) -> None:
         if self.bias is None or self.bias.shape != (num_slots, columns):
@@ -112,6 +113,7 @@ class WorkerState:
         if runner is None or self.scheduled is None:
             return StepPlan(dead_blocks=None)
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        self.max_batch = max(self.max_batch, num_reqs)
         dead = torch.zeros(num_reqs, dtype=torch.long)
         captures, finishing = [], []
         start = 0

@@ -132,13 +132,22 @@ class _CompressingWorker:
             state.end_step()
         return output
 
-    def kvc_report(self) -> list[dict]:
-        """Every compression this worker ran: request, prompt tokens, slots per layer, seconds.
-        (``llm.collective_rpc("kvc_report")`` returns it.)"""
-        return [{"request_id": rid, "prompt_tokens": rec.prompt_tokens, "dead_blocks": rec.dead_blocks,
+    def kvc_report(self) -> dict:
+        """Every compression this worker ran (request, prompt tokens, slots per layer, seconds) and
+        the most requests one step ran (``llm.collective_rpc("kvc_report")`` returns it)."""
+        state = self.kvc_state
+        return {"max_batch": state.max_batch, "compressions": [{"request_id": rid, "prompt_tokens": rec.prompt_tokens, "dead_blocks": rec.dead_blocks,
                  "slots_per_layer": rec.slots_per_layer, "valid_slots_per_layer": valid, "seconds": sec,
                  "preset": rec.settings.preset, "budget": rec.settings.budget}
-                for rid, rec, sec, valid in self.kvc_state.history]
+                for rid, rec, sec, valid in state.history]}
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        from .plugin import unregister_backend_override
+
+        if runtime.current() is self.kvc_state:
+            runtime.install(None)
+        unregister_backend_override()  # a later engine in this process is stock vLLM again
 
 
 def _needs_vocab(cfg) -> bool:
