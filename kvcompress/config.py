@@ -221,6 +221,16 @@ def parse_overrides(items, flag: str = "--set", form: str = "KEY=VALUE") -> dict
     return out
 
 
+def _config_file(path: Path) -> PipelineConfig:
+    """A pipeline JSON file; a missing or malformed file is a ValueError naming it."""
+    require(path.is_file(), "config", str(path), "a preset name or an existing pipeline JSON file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"config={str(path)!r} is invalid: expected a readable pipeline JSON file ({exc})") from None
+    return PipelineConfig.from_dict(data)
+
+
 def as_config(config: "PipelineConfig | Mapping | str | Path", **overrides) -> PipelineConfig:
     """A preset name, a dict, a JSON file path or a config object, with overrides applied."""
     from .presets import get_preset
@@ -230,7 +240,7 @@ def as_config(config: "PipelineConfig | Mapping | str | Path", **overrides) -> P
     elif isinstance(config, Mapping):
         cfg = PipelineConfig.from_dict(config)
     elif isinstance(config, Path) or (isinstance(config, str) and config.endswith(".json")):
-        cfg = PipelineConfig.from_json(Path(config).read_text())
+        cfg = _config_file(Path(config))
     elif isinstance(config, str):
         cfg = get_preset(config)
     else:
