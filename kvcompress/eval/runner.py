@@ -81,7 +81,7 @@ def run_qa(model, tokenizer, samples: list, grid: Grid, store: CellStore, *, cha
     protect: name of a sample span to protect from merging and eviction in every layer and head
              (an oracle, e.g. "needle"); None protects nothing
     """
-    pending = {s.sample_id: [c for c in grid.cells() if not _finished(store, s, c)] for s in samples}
+    pending = pending_cells(samples, grid, store)
     total = sum(len(v) for v in pending.values())
     stop = stop_ids(tokenizer)
     bar = progress_bar(total, progress, "eval")
@@ -96,6 +96,11 @@ def run_qa(model, tokenizer, samples: list, grid: Grid, store: CellStore, *, cha
         bar.close()
     keys = [cell_key(s.sample_id, m.label, b, p) for s in samples for m, b, p in grid.cells()]
     return [store.records[k] for k in keys if k in store.records]
+
+
+def pending_cells(samples: list, grid: Grid, store: CellStore) -> dict:
+    """{sample id: [(method, budget, protocol), ...]} of the cells still to run."""
+    return {s.sample_id: [c for c in grid.cells() if not _finished(store, s, c)] for s in samples}
 
 
 def prompt_hash(sample: QASample) -> str:
@@ -150,7 +155,6 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
             "key": cell_key(sample.sample_id, method.label, budget, protocol),
             "task": sample.task, "sample_id": sample.sample_id, "method": method.label, "preset": method.preset,
             "overrides": dict(method.overrides), "budget": budget, "protocol": protocol,
-            **sample.meta,
             "context_tokens": context_tokens, "compressed_tokens": snap.num_tokens,
             "expected": list(sample.answers), "answer": answer, **scores, "prompt_sha": prompt_hash(sample),
             "keep_max": round(copy.keep_max, 5), "keep_mean": round(copy.keep_mean, 5),
@@ -160,9 +164,20 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
             "compress_s": round(copy.compress_s, 4), "decode_s": round(decode_s, 4), "new_tokens": len(new),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        store.add(record)
+        store.add(with_sample_meta(record, sample.meta))
         bar.update(1)
         bar.set_postfix_str(f"{method.label[:24]}@{budget:g}/{protocol}: {'hit' if scores['hit'] else 'miss'}")
+
+
+def with_sample_meta(record: dict, meta: dict) -> dict:
+    """The record with the sample's grid coordinates (length, depth, ...) added; a sample field
+    named like one of the runner's (``key``, ``budget``, ...) never replaces it: it is kept under
+    ``sample_meta``."""
+    clash = {k: v for k, v in meta.items() if k in record}
+    out = {**{k: v for k, v in meta.items() if k not in record}, **record}
+    if clash:
+        out["sample_meta"] = clash
+    return out
 
 
 def count_context_tokens(prompt) -> int:
