@@ -60,7 +60,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     g.add_argument("--out", type=Path, default=None, help=f"output directory (default: results/{task})")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--no-plots", action="store_true", help="write no PNGs")
-    if task != "fidelity":
+    if task not in ("fidelity", "agreement"):
         g.add_argument("--haystack", default=None,
                        help="directory of .txt files or a text file (relative to the current directory); "
                             "default: Python's pydoc_data.topics")
@@ -79,6 +79,11 @@ def _configure_niah(p):
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
     p.add_argument("--needle", default="number", choices=["number", "word", "uuid"],
                    help="needle kind: 7-digit number, word or UUID")
+    p.add_argument("--fact", default=None, choices=["code-word", "number", "word"],
+                   help="issue-18 fact format instead of --needle: code-word = the README demo's "
+                        "'The secret code word is \"...\".'; number/word = the reference needle")
+    p.add_argument("--distractors", action="store_true",
+                   help="add an ordinary sentence with ordinary numbers (years, counts, prices) every ~150 tokens")
     p.add_argument("--protect-needle", action="store_true",
                    help="oracle: protect the needle sentence's tokens from merging/eviction in every layer and head")
     _common(p, "niah")
@@ -100,11 +105,24 @@ def _configure_fidelity(p):
     _common(p, "fidelity")
 
 
+def _configure_agreement(p):
+    p.add_argument("--haystack", default=None, help="text source (default: Python's pydoc_data.topics)")
+    p.add_argument("--length", type=int, default=2048, help="context tokens per window")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens compared with the full cache's")
+    p.add_argument("--instruction", default=None, help="asked after the compressed context (default: a summary)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None)
+    chat.add_argument("--no-chat", dest="chat", action="store_false")
+    _common(p, "agreement")
+
+
 def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    sub = parser.add_subparsers(dest="eval_task", required=True, metavar="{niah,ruler,fidelity,report}")
+    sub = parser.add_subparsers(dest="eval_task", required=True, metavar="{niah,ruler,fidelity,agreement,report}")
     _configure_niah(sub.add_parser("niah", help="needle in a haystack: lengths x depths heatmaps"))
     _configure_ruler(sub.add_parser("ruler", help="RULER-style synthetic tasks"))
     _configure_fidelity(sub.add_parser("fidelity", help="KL / top-1 / perplexity of a teacher-forced continuation"))
+    _configure_agreement(sub.add_parser("agreement", help="greedy generation agreement with the full cache "
+                                                          "(leading tokens, LCS / N)"))
     rep = sub.add_parser("report", help="rebuild results.json and plots of an output directory")
     rep.add_argument("--out", type=Path, required=True)
     rep.add_argument("--no-plots", action="store_true")
@@ -170,18 +188,25 @@ def run(args: argparse.Namespace) -> int:
     if task == "fidelity":
         signature.update(prefix=args.prefix, continuation=args.continuation, chunk=args.chunk)
         protocols = ("teacher-forced",)
+    elif task == "agreement":
+        from .eval.agreement import INSTRUCTION
+        signature.update(length=args.length, new_tokens=args.new_tokens, chat=args.chat,
+                         instruction=args.instruction or INSTRUCTION)
+        protocols = ("agnostic",)
     else:
         signature.update(chat=args.chat, max_new_tokens=args.max_new_tokens)
         protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
     if task == "niah":
         lengths = parse_ints(args.lengths, "lengths", 8)
         depths = parse_floats(args.depths, "depths", lo_open=False)
-        signature.update(needle=args.needle, protect=("needle" if args.protect_needle else None))
+        signature.update(needle=args.fact or args.needle, protect=("needle" if args.protect_needle else None))
+        if args.fact or args.distractors:
+            signature.update(fact=args.fact or args.needle, distractors=args.distractors)
     elif task == "ruler":
         from .eval.ruler import TASKS
         lengths = parse_ints(args.lengths, "lengths", 64)
         tasks = TASKS if args.tasks.strip() == "all" else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-    grid = Grid(methods, budgets, protocols if task != "fidelity" else ("agnostic",))
+    grid = Grid(methods, budgets, protocols if task not in ("fidelity",) else ("agnostic",))
     store = CellStore(out, signature)
     model, tokenizer, load_s = _load(args)
 
@@ -191,7 +216,12 @@ def run(args: argparse.Namespace) -> int:
     if task == "niah":
         from .eval.niah import niah_samples
         from .eval.runner import run_qa
-        samples = niah_samples(tokenizer, haystack, lengths, depths, args.samples, args.needle, args.seed)
+        if args.fact or args.distractors:
+            from .eval.facts import fact_samples
+            samples = fact_samples(tokenizer, haystack, lengths, depths, args.samples, args.fact or args.needle,
+                                   args.distractors, args.seed)
+        else:
+            samples = niah_samples(tokenizer, haystack, lengths, depths, args.samples, args.needle, args.seed)
         records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
                          protect="needle" if args.protect_needle else None, progress=not args.no_progress,
                          max_new_tokens=args.max_new_tokens)
@@ -203,6 +233,13 @@ def run(args: argparse.Namespace) -> int:
         records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
                          progress=not args.no_progress, max_new_tokens=args.max_new_tokens)
         grid_info = {"tasks": list(tasks), "lengths": lengths, "samples": args.samples}
+    elif task == "agreement":
+        from .eval.agreement import INSTRUCTION, agreement_windows, run_agreement
+        windows = agreement_windows(tokenizer, haystack, args.length, args.samples, args.seed)
+        records = run_agreement(model, tokenizer, windows, grid, store, new_tokens=args.new_tokens,
+                                instruction=args.instruction or INSTRUCTION, chat=args.chat, backend=args.backend,
+                                progress=not args.no_progress)
+        grid_info = {"samples": args.samples, "length": args.length}
     else:
         from .eval.fidelity import fidelity_windows, run_fidelity
         windows = fidelity_windows(tokenizer, haystack, args.prefix, args.continuation, args.samples, args.seed)
@@ -233,6 +270,7 @@ GROUPS = {
              "by_cell": ("method", "budget", "protocol", "length", "depth")},
     "ruler": {"by_task": ("method", "budget", "protocol", "task")},
     "fidelity": {},
+    "agreement": {},
 }
 
 
@@ -262,6 +300,9 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
                                                   title=f"RULER ({protocol})"))
             written.append(P.metric_vs_budget(rows, out / "accuracy_vs_budget.png", "accuracy", title="RULER mean"))
             written.append(P.summary_heatmap(rows, out / "summary.png", title="RULER mean"))
+        elif task == "agreement":
+            written.append(P.metric_vs_budget(rows, out / "lcs_vs_budget.png", "lcs", panel=None,
+                                              ylabel="LCS / N with the full cache's output", title="agreement"))
         else:
             written.append(P.metric_vs_budget(rows, out / "kl_vs_budget.png", "kl", panel=None,
                                               ylabel="mean KL(full || compressed)", title="fidelity", ylim=None))
@@ -271,6 +312,9 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
             written.append(P.achieved_vs_accuracy([r for r in rows if r["method"] != "full"], out / "tau_sweep.png"))
     if task == "fidelity":
         cols = ["method", "budget", "n", "kl", "top1", "ppl_full", "ppl", "keep_max", "budget_met", "compress_s"]
+    elif task == "agreement":
+        cols = ["method", "budget", "n", "lead", "lcs", "keep_max", "keep_mean", "budget_met", "compress_s",
+                "reconstruct_s", "prefill_s"]
     else:
         cols = ["method", "budget", "protocol", "n", "hits", "accuracy", "leading_digits", "keep_max", "keep_mean",
                 "budget_met", "compress_s", "decode_s"]

@@ -151,7 +151,7 @@ class Pipeline:
         rounds = 0
         for round_idx in range(cfg.max_rounds):
             slots = current.valid.sum(-1)
-            if round_idx > 0 and bool((slots <= target).all()):
+            if round_idx > 0 and self._met(slots, target):
                 break
             protected = self.protection(current, layer_idx)
             chunk_ids = self.chunker(current, protected)
@@ -168,7 +168,7 @@ class Pipeline:
                 break
 
         slots = current.valid.sum(-1)
-        met = bool((slots <= target).all())
+        met = self._met(slots, target)
         report = CompressionReport(
             slots_per_head=slots, tokens_per_row=state.real_tokens(), target=target,
             num_slots=current.num_slots, rounds=rounds, budget_met=met, tau=taus, layer_idx=layer_idx,
@@ -176,6 +176,13 @@ class Pipeline:
         if not met and cfg.on_infeasible == "error":
             raise BudgetError(self._infeasible_message(state, layer_idx, slots, target))
         return current, report
+
+    def _met(self, slots: Tensor, target: Tensor) -> bool:
+        """Every head within its target, or, for a clusterer whose per-head counts may differ
+        (``budget_scope == "layer"``, Ada-KV), every layer row within the sum of its targets."""
+        if getattr(self.clusterer, "budget_scope", "head") == "layer":
+            return bool((slots.sum(-1) <= target.sum(-1)).all())
+        return bool((slots <= target).all())
 
     def _checked_plan(self, state: KVState, parent: Tensor, protected: Tensor, chunk_ids: Tensor) -> Tensor:
         """Enforce the invariants every plan must keep, whoever wrote the clusterer."""
