@@ -132,3 +132,17 @@ def test_model_pass_detection():
     assert pipeline_needs_model_pass(get_preset("kvzip-gsc"))
     assert not pipeline_needs_model_pass(get_preset("snapkv"))
     assert not pipeline_needs_model_pass(get_preset("semanticache"))
+
+
+def test_token_share_protects_best_tokens_per_head():
+    N = 64
+    state = make_state(5, B=1, H=2, N=N, vocab=VOCAB, with_membership=False)
+    score = torch.rand(1, 2, N, generator=torch.Generator().manual_seed(9))
+    state = state.replace(extras={"reconstruction": score})
+    guard = ImportanceGuard(share=0.0, token_share=0.5)
+    guard.prepare([state], torch.tensor([16]), torch.zeros(1, N, dtype=torch.bool))
+    mask = guard(state)
+    for h in range(2):
+        assert set(mask[0, h].nonzero().flatten().tolist()) == set(score[0, h].topk(8).indices.tolist())
+    with pytest.raises(ValueError, match="token_share"):
+        ImportanceGuard(share=0.7, token_share=0.5)

@@ -275,3 +275,35 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     return Reconstruction(scores=scores, queries=queries, seconds=seconds, tokens=fed, chunks=len(starts),
                           meta={"chunk": chunk, "subsample": subsample, "prompt_tokens": P,
                                 "layers": sorted(scored), "context_tokens": T})
+
+
+def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor | None = None,
+                 chunk: int = DEFAULT_CHUNK, subsample: float = 1.0, layers: Sequence[int] | None = None,
+                 query_samples: int = 64):
+    """A ``fn(cache, model)`` for ``CompressedCache.add_prefill_hook``: at the prefill's end, before
+    the compression, run the pass over the cache's states and write the scores as the per-slot
+    statistic ``"reconstruction"`` (and the sampled queries as ``extras["reconstruction_queries"]``).
+
+    tokenizer / chat: build the repeat prompt (``repeat_prompt_ids``), unless ``repeat_ids`` is given.
+    """
+    require(repeat_ids is not None or tokenizer is not None, "tokenizer", None,
+            "a tokenizer (to build the repeat prompt) or repeat_ids")
+    prompt = repeat_ids if repeat_ids is not None else repeat_prompt_ids(tokenizer, chat)
+
+    def hook(cache, model) -> None:
+        states = cache.states()
+        first = states[0]
+        require(first.token_ids is not None, "cache", "no token ids", "a cache that recorded its input ids")
+        ids = first.token_ids[:, : first.num_tokens]
+        mask = None
+        if first.seq_start is not None and bool((first.seq_start > 0).any()):
+            mask = (torch.arange(ids.shape[1], device=ids.device)[None] >= first.seq_start[:, None]).long()
+        res = reconstruction_scores(model, states, ids, repeat_ids=prompt, chunk=chunk, subsample=subsample,
+                                    layers=layers, attention_mask=mask, query_samples=query_samples)
+        scores = [s if s is not None else torch.zeros_like(st.log_sizes) for s, st in zip(res.scores, states)]
+        cache.set_stats(STATS_KEY, scores)
+        if query_samples:
+            cache.set_extras(QUERIES_KEY, res.queries)
+        cache.stats["reconstruct_s"] = cache.stats.get("reconstruct_s", 0.0) + res.seconds
+
+    return hook

@@ -106,7 +106,13 @@ def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float
 class ImportanceGuard:
     """Keep whole sentences exact, ranked by reconstruction importance, the same in every head and layer.
 
-    share:  fraction of the budget (slots per head) the chosen sentences may take
+    share:  fraction of the budget left after sinks and the recent window that the chosen
+            sentences may take
+    token_share: fraction of that budget that each (layer, KV head) gives to its own best tokens
+            by reconstruction score (KVzip's per-head choice), on top of the sentences
+    window_share: fraction of that budget that each (layer, KV head) gives to the tokens the last
+            prompt queries attend to most (SnapKV's score, kernel 7; needs query_window > 0), after
+            the sentences and the per-head tokens: what the text right before the next input needs
     reduce: a sentence's score from its tokens' importance (importance of a token = its
             reconstruction score summed over every layer and KV head): "mean" (importance per
             token of budget spent), "sum" or "max"
@@ -121,8 +127,16 @@ class ImportanceGuard:
     persistent = True
     requires_model_pass = True
 
-    def __init__(self, share: float = 0.5, reduce: str = "mean", ends: Sequence[str] = SENTENCE_ENDS):
+    def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
+                 window_share: float = 0.0, ends: Sequence[str] = SENTENCE_ENDS):
         check_range("share", share, 0.0, 1.0)
+        check_range("token_share", token_share, 0.0, 1.0)
+        check_range("window_share", window_share, 0.0, 1.0)
+        require(share + token_share + window_share <= 1.0 + 1e-9, "token_share", token_share,
+                f"at most 1 - share - window_share = {1.0 - share - window_share:g} (one budget for all three)")
+        self.token_share, self.window_share = float(token_share), float(window_share)
+        self._window: Tensor | None = None
+        self._tokens: Tensor | None = None  # [B] tokens per head given to the per-head choice
         check_choice("reduce", reduce, REDUCES)
         ends = tuple(ends)
         require(len(ends) > 0 and all(isinstance(e, str) and e for e in ends), "ends", ends,
@@ -132,7 +146,7 @@ class ImportanceGuard:
         self._keep: Tensor | None = None
 
     def __repr__(self) -> str:
-        return f"ImportanceGuard(share={self.share}, reduce={self.reduce!r})"
+        return f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share})"
 
     @property
     def needs(self):
@@ -170,6 +184,8 @@ class ImportanceGuard:
         allowance = torch.floor(room.to(torch.float64) * self.share).long()
         chosen = select_sentences(score, lengths, allowance, lengths > 0)
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
+        self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
+        self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
 
     def chosen_tokens(self) -> Tensor | None:
         """[B, T0] bool: tokens of the chosen sentences (None before ``prepare``)."""
@@ -184,7 +200,21 @@ class ImportanceGuard:
         B, H, N = pos.shape
         inside = (pos >= 0) & (pos < keep.shape[1])
         hit = keep.gather(1, pos.clamp(0, keep.shape[1] - 1).reshape(B, H * N)).view(B, H, N)
-        return hit & inside & state.valid
+        mask = hit & inside & state.valid
+        if self.token_share > 0:
+            from .eviction import rank_desc
+
+            free = state.valid & ~mask
+            rank = rank_desc(reconstruction_stat(state, "importance guard"), free)
+            mask |= free & (rank < self._tokens.to(rank.device)[:, None, None])
+        if self.window_share > 0:
+            from ..registry import SCORERS
+            from .eviction import rank_desc
+
+            free = state.valid & ~mask
+            rank = rank_desc(SCORERS.create("snapkv", {"kernel_size": 7})(state), free)
+            mask |= free & (rank < self._window.to(rank.device)[:, None, None])
+        return mask
 
 
 def token_importance(states: Sequence[KVState], num_tokens: int) -> Tensor:
