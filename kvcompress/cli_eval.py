@@ -23,7 +23,7 @@ from pathlib import Path
 from .eval.methods import ABLATIONS
 
 COMMAND = "eval"
-HELP = "evaluate methods on a real model: niah, ruler, fidelity (resumable; JSON + PNG results)"
+HELP = "evaluate methods on a real model: niah, ruler, fidelity, agreement (resumable; JSON + PNG results)"
 DEFAULT_PRESETS = "full,semanticache,semanticache-fixed64,centroidkv,streamingllm,snapkv"
 DEFAULT_BUDGETS = "0.9,0.75,0.5,0.25"
 DESCRIPTION = ("Evaluate compression methods on a real model: needle in a haystack (niah), RULER-style tasks "
@@ -60,7 +60,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     g.add_argument("--out", type=Path, default=None, help=f"output directory (default: results/{task})")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--no-plots", action="store_true", help="write no PNGs")
-    if task != "fidelity":
+    if task not in ("fidelity", "agreement"):
         g.add_argument("--haystack", default=None,
                        help="directory of .txt files or a text file (relative to the current directory); "
                             "default: Python's pydoc_data.topics")
@@ -79,6 +79,11 @@ def _configure_niah(p):
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
     p.add_argument("--needle", default="number", choices=["number", "word", "uuid"],
                    help="needle kind: 7-digit number, word or UUID")
+    p.add_argument("--fact", default=None, choices=["code-word", "number", "word"],
+                   help="fact format instead of --needle: code-word = the README demo's "
+                        "'The secret code word is \"...\".'; number/word = the reference needle")
+    p.add_argument("--distractors", action="store_true",
+                   help="add an ordinary sentence with ordinary numbers (years, counts, prices) every ~150 tokens")
     p.add_argument("--protect-needle", action="store_true",
                    help="oracle: protect the needle sentence's tokens from merging/eviction in every layer and head")
     _common(p, "niah")
@@ -100,11 +105,24 @@ def _configure_fidelity(p):
     _common(p, "fidelity")
 
 
+def _configure_agreement(p):
+    p.add_argument("--haystack", default=None, help="text source (default: Python's pydoc_data.topics)")
+    p.add_argument("--length", type=int, default=2048, help="context tokens per window")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens compared with the full cache's")
+    p.add_argument("--instruction", default=None, help="asked after the compressed context (default: a summary)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None)
+    chat.add_argument("--no-chat", dest="chat", action="store_false")
+    _common(p, "agreement")
+
+
 def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    sub = parser.add_subparsers(dest="eval_task", required=True, metavar="{niah,ruler,fidelity,report}")
+    sub = parser.add_subparsers(dest="eval_task", required=True, metavar="{niah,ruler,fidelity,agreement,report}")
     _configure_niah(sub.add_parser("niah", help="needle in a haystack: lengths x depths heatmaps"))
     _configure_ruler(sub.add_parser("ruler", help="RULER-style synthetic tasks"))
     _configure_fidelity(sub.add_parser("fidelity", help="KL / top-1 / perplexity of a teacher-forced continuation"))
+    _configure_agreement(sub.add_parser("agreement", help="greedy generation agreement with the full cache "
+                                                          "(leading tokens, LCS / N)"))
     rep = sub.add_parser("report", help="rebuild results.json and plots of an output directory")
     rep.add_argument("--out", type=Path, required=True)
     rep.add_argument("--no-plots", action="store_true")
@@ -113,7 +131,7 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``eval`` options (sub-commands niah, ruler, fidelity, report) on ``parser``."""
+    """The ``eval`` options (sub-commands niah, ruler, fidelity, agreement, report) on ``parser``."""
     return _configure(parser)
 
 
@@ -205,6 +223,13 @@ def check_args(args, task: str) -> dict:
             fail("--continuation", args.continuation, "an integer >= 1")
         found["protocols"] = ("teacher-forced",)
         return found
+    if task == "agreement":
+        if args.length < 8:
+            fail("--length", args.length, "an integer >= 8")
+        if args.new_tokens < 1:
+            fail("--new-tokens", args.new_tokens, "an integer >= 1")
+        found["protocols"] = ("agnostic",)
+        return found
     protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
     from .eval.runner import PROTOCOLS
 
@@ -240,11 +265,17 @@ def run(args: argparse.Namespace) -> int:
                  "dtype": args.dtype, "seed": args.seed, "haystack": _haystack_name(args.haystack)}
     if task == "fidelity":
         signature.update(prefix=args.prefix, continuation=args.continuation, chunk=args.chunk)
+    elif task == "agreement":
+        from .eval.agreement import INSTRUCTION
+        signature.update(length=args.length, new_tokens=args.new_tokens, chat=args.chat,
+                         instruction=args.instruction or INSTRUCTION)
     else:
         signature.update(chat=args.chat, max_new_tokens=args.max_new_tokens)
     if task == "niah":
         lengths, depths = found["lengths"], found["depths"]
-        signature.update(needle=args.needle, protect=("needle" if args.protect_needle else None))
+        signature.update(needle=args.fact or args.needle, protect=("needle" if args.protect_needle else None))
+        if args.fact or args.distractors:
+            signature.update(fact=args.fact or args.needle, distractors=args.distractors)
     elif task == "ruler":
         lengths, tasks = found["lengths"], found["tasks"]
     grid = Grid(methods, budgets, protocols if task != "fidelity" else ("agnostic",))
@@ -254,13 +285,22 @@ def run(args: argparse.Namespace) -> int:
     progress.start("loading the tokenizer and building the samples")
     tokenizer = load_tokenizer(args.model)
     if task == "niah":
-        from .eval.niah import niah_samples
-        samples = niah_samples(tokenizer, haystack, lengths, depths, args.samples, args.needle, args.seed)
+        if args.fact or args.distractors:
+            from .eval.facts import fact_samples
+            samples = fact_samples(tokenizer, haystack, lengths, depths, args.samples, args.fact or args.needle,
+                                   args.distractors, args.seed)
+        else:
+            from .eval.niah import niah_samples
+            samples = niah_samples(tokenizer, haystack, lengths, depths, args.samples, args.needle, args.seed)
         grid_info = {"lengths": lengths, "depths": depths, "samples": args.samples}
     elif task == "ruler":
         from .eval.ruler import ruler_samples
         samples = ruler_samples(tokenizer, haystack, tasks, lengths, args.samples, args.seed)
         grid_info = {"tasks": list(tasks), "lengths": lengths, "samples": args.samples}
+    elif task == "agreement":
+        from .eval.agreement import agreement_windows
+        samples = agreement_windows(tokenizer, haystack, args.length, args.samples, args.seed)
+        grid_info = {"samples": args.samples, "length": args.length}
     else:
         from .eval.fidelity import fidelity_windows
         samples = fidelity_windows(tokenizer, haystack, args.prefix, args.continuation, args.samples, args.seed)
@@ -286,6 +326,11 @@ def run(args: argparse.Namespace) -> int:
         from .eval.runner import run_qa
         records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
                          progress=not args.no_progress, max_new_tokens=args.max_new_tokens)
+    elif task == "agreement":
+        from .eval.agreement import run_agreement
+        records = run_agreement(model, tokenizer, samples, grid, store, new_tokens=args.new_tokens,
+                                instruction=signature["instruction"], chat=args.chat, backend=args.backend,
+                                progress=not args.no_progress)
     else:
         from .eval.fidelity import run_fidelity
         records = run_fidelity(model, tokenizer, samples, grid, store, prefix=args.prefix, chunk=args.chunk,
@@ -303,10 +348,12 @@ def _pending(task: str, samples, grid, store) -> int:
     """Cells of the grid not in the store yet (for QA tasks: or computed for another prompt)."""
     from .eval.results import cell_key
 
-    if task == "fidelity":
+    if task in ("fidelity", "agreement"):
+        from .eval.agreement import PROTOCOL as AGREEMENT
         from .eval.fidelity import PROTOCOL
 
-        return sum(not store.done(cell_key(sid, m.label, b, PROTOCOL)) for sid, _ in samples
+        protocol = PROTOCOL if task == "fidelity" else AGREEMENT
+        return sum(not store.done(cell_key(sid, m.label, b, protocol)) for sid, _ in samples
                    for m, b, _ in grid.cells())
     from .eval.runner import pending_cells
 
@@ -328,6 +375,7 @@ GROUPS = {
              "by_cell": ("method", "budget", "protocol", "length", "depth")},
     "ruler": {"by_task": ("method", "budget", "protocol", "task")},
     "fidelity": {},
+    "agreement": {},
 }
 
 
@@ -357,15 +405,21 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
                                                   title=f"RULER ({protocol})"))
             written.append(P.metric_vs_budget(rows, out / "accuracy_vs_budget.png", "accuracy", title="RULER mean"))
             written.append(P.summary_heatmap(rows, out / "summary.png", title="RULER mean"))
+        elif task == "agreement":
+            written.append(P.metric_vs_budget(rows, out / "lcs_vs_budget.png", "lcs", panel=None,
+                                              ylabel="LCS / N with the full cache's output", title="agreement"))
         else:
             written.append(P.metric_vs_budget(rows, out / "kl_vs_budget.png", "kl", panel=None,
                                               ylabel="mean KL(full || compressed)", title="fidelity", ylim=None))
             written.append(P.metric_vs_budget(rows, out / "top1_vs_budget.png", "top1", panel=None,
                                               ylabel="top-1 agreement", title="fidelity"))
-        if meta.get("ablation") == "tau" and task != "fidelity":
+        if meta.get("ablation") == "tau" and task not in ("fidelity", "agreement"):
             written.append(P.achieved_vs_accuracy([r for r in rows if r["method"] != "full"], out / "tau_sweep.png"))
     if task == "fidelity":
         cols = ["method", "budget", "n", "kl", "top1", "ppl_full", "ppl", "keep_max", "budget_met", "compress_s"]
+    elif task == "agreement":
+        cols = ["method", "budget", "n", "lead", "lcs", "keep_max", "keep_mean", "budget_met", "compress_s",
+                "reconstruct_s", "prefill_s"]
     else:
         cols = ["method", "budget", "protocol", "n", "hits", "accuracy", "leading_digits", "keep_max", "keep_mean",
                 "budget_met", "compress_s", "decode_s"]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .budget import target_slots as budget_slots
 from .config import PipelineConfig, as_config
-from .protocols import ClusterPlan, CrossLayerGuard, Needs, PersistentGuard, needs_of
+from .protocols import ClusterPlan, CrossLayerGuard, Needs, PersistentGuard, budget_scope_of, needs_of
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
 from .validation import check_int, require
@@ -240,7 +240,7 @@ class Pipeline:
         fallback_used = False
         for round_idx in range(cfg.max_rounds):
             slots = current.valid.sum(-1)
-            if round_idx > 0 and bool((slots <= target).all()):
+            if round_idx > 0 and self._met(slots, target):
                 break
             protected = self.protection(current, layer_idx)
             chunk_ids, fell_back = self._chunk_ids(current, protected, target)
@@ -264,7 +264,7 @@ class Pipeline:
                 break
 
         slots = current.valid.sum(-1)
-        met = bool((slots <= target).all())
+        met = self._met(slots, target)
         report = CompressionReport(
             slots_per_head=slots, tokens_per_row=state.real_tokens(), target=target,
             num_slots=current.num_slots, rounds=rounds, budget_met=met, tau=taus, layer_idx=layer_idx,
@@ -348,6 +348,13 @@ class Pipeline:
             why += (f"; with the fallback chunker {cfg.fallback_chunker.name!r} "
                     f"{dict(cfg.fallback_chunker.params)}: {anchors} anchors and {chunks} chunk(s)")
         return why
+
+    def _met(self, slots: Tensor, target: Tensor) -> bool:
+        """Every head within its target, or, for a clusterer whose per-head counts may differ
+        (``budget_scope == "layer"``, Ada-KV), every layer row within the sum of its targets."""
+        if budget_scope_of(self.clusterer) == "layer":
+            return bool((slots.sum(-1) <= target.sum(-1)).all())
+        return bool((slots <= target).all())
 
     def _checked_plan(self, state: KVState, parent: Tensor, protected: Tensor, chunk_ids: Tensor) -> Tensor:
         """Enforce the invariants every plan must keep, whoever wrote the clusterer."""

@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..validation import check_choice, require
-from .caches import Recorder, compressed_copy, needs_of
+from .caches import Recorder, needs_of
 from .data import token_span
 from .greedy import build_prompt, greedy, stop_ids
 from .methods import Method
+from .reconstruction import copy_for
 from .results import CellStore, cell_key
 from .scoring import score
 
@@ -143,7 +144,8 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
     for method, budget, protocol in cells:
         snap = snaps[protocol]
         cfg = configs[(method.label, budget)]
-        copy = compressed_copy(model, snap, cfg, protect=[spans[protect]] if protect else (), marks=spans)
+        copy = copy_for(model, tokenizer, snap, cfg, chat=prompt.chat, protect=[spans[protect]] if protect else (),
+                        marks=spans)
         first = prompt.tail if protocol == "agnostic" else prompt.aware_last()
         try:
             new, decode_s = greedy(model, copy.cache, first, max_new_tokens, stop)
@@ -161,7 +163,7 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
             "budget_met": bool(copy.keep_max <= budget + 1e-9), "layers_met": copy.layers_met,
             "protected": protect, "trace": copy.trace,
             "prefill_s": round(prefill_s, 4), "prefill_forwards": forwards,
-            "compress_s": round(copy.compress_s, 4), "decode_s": round(decode_s, 4), "new_tokens": len(new),
+            "compress_s": round(copy.compress_s, 4), "reconstruct_s": round(copy.reconstruct_s, 4), "decode_s": round(decode_s, 4), "new_tokens": len(new),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         store.add(with_sample_meta(record, sample.meta))
