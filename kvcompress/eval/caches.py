@@ -230,7 +230,7 @@ def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protec
     ratios, met = [], True
     for layer in (cache.layers[i] for i in cache.compressed_layer_ids()):
         tokens = max(layer.num_tokens - (0 if cache.seq_start is None else int(cache.seq_start.max())), 1)
-        ratios.append(layer.valid_slots().float() / tokens)  # [B, H]
+        ratios.append(layer.valid_slots().double() / tokens)  # [B, H] (float32 reads 200/1000 as > 0.2)
         report = layer.last_report
         met = met and (report is None or bool(report.budget_met))
     ratios_t = torch.stack(ratios)  # [L, B, H]
