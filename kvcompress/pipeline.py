@@ -273,9 +273,8 @@ class Pipeline:
         budget lies below that floor goes down the levels until it fits, each only as far as needed:
         1. "fallback": the fallback chunker's chunks (SemantiCache: delimiters merged into their
            clause instead of kept as anchors);
-        2. "window": when the protected slots alone leave no room for the rest (sinks + recent
-           window >= budget, short prompts at a low budget), sinks and recent window shrink to half
-           of the budget, the recent window first;
+        2. "window": when the sinks and the recent window alone leave no room for the rest (a
+           short prompt at a low budget), they shrink to half of the budget, the recent window first;
         3. "joined": runs of consecutive chunks joined (``join_chunks``) until one slot per chunk fits.
         With no guards or user-protected slots in the way, every budget is then reachable.
         """
@@ -293,24 +292,25 @@ class Pipeline:
         level = 1
         chunk_ids = torch.where(over[..., None], self.fallback_chunker(state, protected), chunk_ids)
 
-        fixed = (valid & (chunk_ids < 0)).sum(-1)  # [B, H] protected (and the fallback's anchors)
-        has_chunks = (valid & (chunk_ids >= 0)).any(-1)
-        cramped = over & (fixed + has_chunks.long() > target)
+        cfg = self.config
+        rel = state.positions - state.start()[:, None, None]
+        window = valid & ((rel < cfg.sinks) | (state.positions >= state.num_tokens - cfg.recent))
+        has_rest = (valid & ~window).any(-1)
+        # only where sinks + recent window alone leave no room (guards in the way are not overruled)
+        cramped = over & (window.sum(-1) + has_rest.long() > target)
         if bool(cramped.any()):
             level = 3
-            cfg = self.config
             cap = torch.div(target, 2, rounding_mode="floor")  # half the budget for sinks + recent
             sinks = cap.clamp(max=cfg.sinks)
             recent = (cap - sinks).clamp(max=cfg.recent)
             narrow = self.protection(state, layer_idx, sinks=sinks, recent=recent)
             protected = torch.where(cramped[..., None], narrow, protected)
             chunk_ids = torch.where(over[..., None], self.fallback_chunker(state, protected), chunk_ids)
-            fixed = (valid & (chunk_ids < 0)).sum(-1)
 
-        room = (target - fixed).clamp(min=1)
-        joined = join_chunks(valid, chunk_ids, room)
         if bool((over & (chunk_floor(valid, chunk_ids) > target)).any()):
             level = max(level, 2)
+            fixed = (valid & (chunk_ids < 0)).sum(-1)  # [B, H] protected (and the fallback's anchors)
+            joined = join_chunks(valid, chunk_ids, (target - fixed).clamp(min=1))
             chunk_ids = torch.where(over[..., None], joined, chunk_ids)
         return Chunking(protected, chunk_ids, LEVELS[level])
 

@@ -18,8 +18,9 @@ def sentence_guard(share: float = 0.4) -> StrategySpec:
 
 
 # Below the paper's floor (delimiter anchors + one slot per chunk, keep ~0.28 on English prose),
-# heads fall back to chunks whose delimiters are mergeable too (one slot per clause at least):
-# a budget of 0.2 is met, and the BudgetWarning says the fallback was needed.
+# heads fall back to chunks whose delimiters are mergeable too (one slot per clause at least), then
+# to runs of clauses joined, then (short prompts) to a narrower sinks + recent window
+# (``Pipeline.chunking``): every budget is met, and the BudgetWarning says which level was needed.
 ANCHOR_FALLBACK = StrategySpec("delimiter", {"anchors": "merge"})
 
 

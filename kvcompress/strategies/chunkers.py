@@ -115,7 +115,8 @@ class DelimiterChunker:
     (".\n\n", ", ") join one run, so a chunk is a clause with its punctuation and the floor is one
     slot per clause. The clusterer decides which members merge (GSC: the most similar keys
     first), delimiters included. SemantiCache uses it as its ``fallback_chunker``: only for heads
-    whose budget the anchors put out of reach.
+    whose budget the anchors put out of reach (and the pipeline joins runs of its clauses where
+    one slot per clause is still too many: ``Pipeline.chunking``).
     delimiters:    substrings that make a token a delimiter (default . , ? ! newline tab)
     delimiter_ids: optional explicit token ids instead of the text lookup
     """
