@@ -78,6 +78,19 @@ def test_copy_equals_compressing_in_the_prefill(model, tok, samples, preset):
     copy.cache.close()
 
 
+def test_keep_exactly_at_the_budget_counts_as_met(model, tok, samples):
+    """8 slots of 40 tokens is keep 0.2 exactly: float32 reads 8 / 40 as 0.2000000030, above the
+    budget, and the records said budget_met=False at every multiple of 5 tokens."""
+    prompt = build_prompt(tok, samples[0].context, samples[0].question)
+    rec = Recorder(model, tok, backend="sdpa")
+    rec.feed(prompt.head[:, :40])
+    cfg = Method.parse("streamingllm").config(0.2).replace(sinks=0, recent=0)
+    copy = compressed_copy(model, rec.snapshot(), cfg)
+    rec.close()
+    assert copy.layers_met and copy.keep_max == 0.2 and copy.keep_max <= 0.2 + 1e-9
+    copy.cache.close()
+
+
 def test_copies_leave_the_snapshot_untouched(model, tok, samples):
     prompt = build_prompt(tok, samples[0].context, samples[0].question)
     rec = Recorder(model, tok, backend="sdpa")
