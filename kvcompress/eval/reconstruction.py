@@ -17,7 +17,7 @@ from ..config import PipelineConfig
 from ..hf.reconstruct import DEFAULT_CHUNK, QUERIES_KEY, STATS_KEY, reconstruction_scores, repeat_prompt_ids
 from ..strategies.importance import pipeline_needs_model_pass
 from ..validation import require
-from .caches import Copy, Snapshot, _EvalPipeline, compressed_copy
+from .caches import Copy, Snapshot, compressed_copy
 
 QUERY_SAMPLES = 64  # reconstruction queries kept per layer (extras["reconstruction_queries"])
 
