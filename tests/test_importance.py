@@ -11,7 +11,7 @@ from conftest import CORE_SETTINGS, make_state
 from kvcompress.pipeline import Pipeline
 from kvcompress.presets import get_preset
 from kvcompress.strategies.importance import (
-    ImportanceGuard, ReconstructionScorer, adaptive_keep, pipeline_needs_model_pass, token_importance,
+    ImportanceGuard, ReconstructionScorer, adaptive_keep, token_importance,
 )
 
 VOCAB = ("a", " b", " c", ".", " d", " e", "!", " f")
@@ -20,7 +20,7 @@ VOCAB = ("a", " b", " c", ".", " d", " e", "!", " f")
 def with_scores(state, seed=0):
     gen = torch.Generator().manual_seed(seed)
     score = torch.rand(state.log_sizes.shape, generator=gen)
-    return state.replace(extras={**state.extras, "reconstruction": score}), score
+    return state.replace(stats={**state.stats, "reconstruction": score}), score
 
 
 def test_scorer_reads_statistic_and_errors_without_model_pass():
@@ -29,7 +29,9 @@ def test_scorer_reads_statistic_and_errors_without_model_pass():
         ReconstructionScorer()(state)
     scored, score = with_scores(state)
     assert torch.equal(ReconstructionScorer()(scored), score)
-    bad = state.replace(extras={"reconstruction": torch.zeros(1, 1, 1)})
+    bad = state.replace(stats={"reconstruction": torch.zeros(1, 1, 1)})
+    with pytest.raises(ValueError, match="reconstruction"):  # carried data is not the statistic
+        ReconstructionScorer()(state.replace(extras={"reconstruction": score}))
     with pytest.raises(ValueError, match="shape"):
         ReconstructionScorer()(bad)
 
@@ -102,7 +104,7 @@ def test_importance_guard_picks_best_sentences_in_every_head():
         st_ = make_state(layer, B=1, H=2, N=N, D=4, vocab=VOCAB, with_membership=False)
         score = torch.full((1, 2, N), 0.01)
         score[:, layer % 2, 8:12] = 0.5  # one head per layer, same sentence
-        states.append(st_.replace(keys=keys, token_ids=ids, extras={"reconstruction": score}))
+        states.append(st_.replace(keys=keys, token_ids=ids, stats={"reconstruction": score}))
     guard = ImportanceGuard(share=0.5)
     already = torch.zeros(1, N, dtype=torch.bool)
     guard.prepare(states, torch.tensor([8]), already)
@@ -127,18 +129,19 @@ def test_guard_needs_reconstruction_and_bad_params():
         Pipeline(get_preset("kvzip", **{"clusterer.head_budget": "weird"}))
 
 
-def test_model_pass_detection():
-    assert pipeline_needs_model_pass(get_preset("kvzip"))
-    assert pipeline_needs_model_pass(get_preset("kvzip-gsc"))
-    assert not pipeline_needs_model_pass(get_preset("snapkv"))
-    assert not pipeline_needs_model_pass(get_preset("semanticache"))
+def test_model_pass_is_declared_through_needs():
+    for name in ("kvzip", "kvzip-adakv", "kvzip-sentences", "kvzip-gsc", "kvzip-csm"):
+        needs = Pipeline(get_preset(name)).needs
+        assert needs.model_pass and needs.all_layers, name
+    for name in ("snapkv", "semanticache", "centroidkv"):
+        assert not Pipeline(get_preset(name)).needs.model_pass, name
 
 
 def test_token_share_protects_best_tokens_per_head():
     N = 64
     state = make_state(5, B=1, H=2, N=N, vocab=VOCAB, with_membership=False)
     score = torch.rand(1, 2, N, generator=torch.Generator().manual_seed(9))
-    state = state.replace(extras={"reconstruction": score})
+    state = state.replace(stats={"reconstruction": score})
     guard = ImportanceGuard(share=0.0, token_share=0.5)
     guard.prepare([state], torch.tensor([16]), torch.zeros(1, N, dtype=torch.bool))
     mask = guard(state)

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
 from ..validation import check_choice, check_range, require
@@ -34,10 +35,7 @@ REDUCES = ("mean", "sum", "max")
 
 def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> Tensor:
     """[B, H, N] float32: the state's reconstruction statistic; a ValueError saying how to get it."""
-    stats = getattr(state, "stats", None)
-    x = stats.get(STAT) if isinstance(stats, dict) else None
-    if x is None:
-        x = state.extras.get(STAT)
+    x = state.stats.get(STAT)
     require(x is not None, f"{who}: state.stats[{STAT!r}]", None,
             "reconstruction scores of the layer: they come from a model pass after the prefill "
             "(kvcompress.hf.reconstruct; a CompressedCache bound to the model runs it); a pipeline used "
@@ -47,19 +45,6 @@ def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> T
     return x.float()
 
 
-def _model_pass_needs():
-    """Needs(model_pass=True) when the core declares it (the contract of the transformers
-    integration), else None."""
-    try:
-        from ..protocols import Needs  # noqa: PLC0415
-    except ImportError:
-        return None
-    try:
-        return Needs(model_pass=True)
-    except TypeError:
-        return None
-
-
 @register_scorer("reconstruction")
 @dataclass(frozen=True)
 class ReconstructionScorer:
@@ -67,11 +52,7 @@ class ReconstructionScorer:
     context-reconstruction pass (max over the query heads of its KV group). A merged slot scores
     the sum of its members' scores. Needs the model pass (``needs.model_pass``)."""
 
-    @property
-    def needs(self):
-        return _model_pass_needs()
-
-    requires_model_pass = True
+    needs = Needs(model_pass=True)
 
     def __call__(self, state: KVState) -> Tensor:
         return reconstruction_stat(state)
@@ -120,12 +101,11 @@ class ImportanceGuard:
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
     window) fit the allowance; a sentence too long for what is left is skipped. Decided once per
-    sequence from every layer (``cross_layer``) and remembered by the cache (``persistent``).
+    sequence from every layer (``prepare``: a ``CrossLayerGuard``) and remembered by the cache
+    (``persistent``).
     """
 
-    cross_layer = True
     persistent = True
-    requires_model_pass = True
 
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
                  window_share: float = 0.0, ends: Sequence[str] = SENTENCE_ENDS):
@@ -148,9 +128,7 @@ class ImportanceGuard:
     def __repr__(self) -> str:
         return f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share})"
 
-    @property
-    def needs(self):
-        return _model_pass_needs()
+    needs = Needs(model_pass=True)
 
     def prepared_for(self, state: KVState) -> bool:
         ids = self._ids
@@ -208,11 +186,10 @@ class ImportanceGuard:
             rank = rank_desc(reconstruction_stat(state, "importance guard"), free)
             mask |= free & (rank < self._tokens.to(rank.device)[:, None, None])
         if self.window_share > 0:
-            from ..registry import SCORERS
             from .eviction import rank_desc
 
             free = state.valid & ~mask
-            rank = rank_desc(SCORERS.create("snapkv", {"kernel_size": 7})(state), free)
+            rank = rank_desc(_window_scorer()(state), free)
             mask |= free & (rank < self._window.to(rank.device)[:, None, None])
         return mask
 
@@ -229,18 +206,8 @@ def token_importance(states: Sequence[KVState], num_tokens: int) -> Tensor:
     return out
 
 
-def pipeline_needs_model_pass(config) -> bool:
-    """True when a PipelineConfig uses a strategy that reads the reconstruction statistic
-    (the reconstruction scorer, or the importance guard)."""
-    def uses(spec) -> bool:
-        if spec is None:
-            return False
-        if spec.name == "importance":
-            return True
-        for value in spec.params.values():
-            name = value.get("name") if isinstance(value, dict) else getattr(value, "name", value)
-            if name == "reconstruction":
-                return True
-        return False
+def _window_scorer():
+    """SnapKV's score (kernel 7) for the guard's ``window_share``."""
+    from ..registry import SCORERS
 
-    return uses(config.clusterer) or any(uses(g) for g in config.guards) or uses(config.chunker)
+    return SCORERS.create("snapkv", {"kernel_size": 7})
