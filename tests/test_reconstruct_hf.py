@@ -70,7 +70,7 @@ def test_for_model_runs_the_pass_and_kvzip_keeps_the_top_scored_slots(model, tok
 def test_kvzip_presets_through_generate(model, tok):
     import kvcompress
 
-    for preset in ("kvzip", "kvzip-csm"):
+    for preset in ("kvzip", "kvzip-csm", "kvzip-adakv"):
         res = kvcompress.generate(model, tok, TEXT, preset, budget=0.25, max_new_tokens=3, question="What is",
                                   backend="sdpa", recent=8)
         assert res.report["budget_met"], (preset, res.report.get("budget_note"))
@@ -113,7 +113,7 @@ def test_eval_niah_runs_the_pass_once_per_sample(model, tok, tmp_path, monkeypat
     (hay / "essay.txt").write_text(TEXT)
     out = tmp_path / "out"
     argv = ["niah", "--haystack", str(hay), "--lengths", "120", "--depths", "0.5", "--presets",
-            "full,snapkv,kvzip,kvzip-csm", "--override", "recent=8", "--budgets", "0.25,0.5",
+            "full,snapkv,kvzip,kvzip-csm,kvzip-adakv", "--override", "recent=8", "--budgets", "0.25,0.5",
             "--max-new-tokens", "2", "--no-progress", "--no-plots", "--out", str(out)]
     assert cli_eval.main(argv) == 0
     rows = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]

@@ -31,6 +31,7 @@ from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_s
 
 STAT = "reconstruction"
 REDUCES = ("mean", "sum", "max")
+HEAD_BUDGETS = ("uniform", "adaptive")
 
 
 def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> Tensor:
@@ -59,7 +60,8 @@ class ReconstructionScorer:
 
 
 # ---------------------------------------------------------------------------- Ada-KV
-def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float = 0.2) -> Tensor:
+def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float = 0.2,
+                  rectangular: bool = False) -> Tensor:
     """[B, H, N] bool: Ada-KV's per-head budgets, one top-k over all heads of a layer.
 
     scores: [B, H, N] (higher = keep); free: [B, H, N] bool candidates; quota: [B, H] long slots
@@ -68,6 +70,11 @@ def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float
     sum_h quota - what the floors took, goes to the best remaining candidates of any head. The
     kept count per (b, head) varies; its sum over heads equals sum_h quota (or every candidate,
     when fewer).
+
+    rectangular: the padded tensor counts toward the budget (no head above its quota): the one
+    score threshold over the layer is lowered only until the first head reaches its quota, so
+    every head keeps at most its quota and the layer tensor (padded to its longest head) is the
+    uniform budget. Each head then keeps a best-first prefix of what uniform selection keeps.
     """
     from .eviction import rank_desc
 
@@ -77,6 +84,17 @@ def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float
     floor = torch.floor(quota.double() * head_floor + 1e-9).long()[..., None]  # [B, H, 1]
     keep = free & (rank_desc(scores, free) < floor)
     rest = free & ~keep
+    if rectangular:
+        if N == 0:
+            return keep
+        need = (quota[..., None] - floor).clamp(min=0)  # [B, H, 1] slots each head may still take
+        rank = rank_desc(scores, rest)
+        key = torch.where(rest, scores.float().nan_to_num(nan=float("-inf")), float("-inf"))
+        order = key.sort(-1, descending=True).values  # [B, H, N]
+        fills = (need > 0) & (rest.sum(-1, keepdim=True) >= need)  # heads that can reach their quota
+        at = torch.where(fills, order.gather(-1, (need - 1).clamp(min=0)), float("-inf"))
+        thr = at.amax(dim=1, keepdim=True)  # [B, 1, 1]: the first head to fill decides
+        return keep | (rest & (rank < need) & (key >= thr))
     left = (quota.sum(-1) - keep.sum(dim=(1, 2))).clamp(min=0)  # [B]
     ranks = rank_desc(scores.reshape(B, 1, H * N), rest.reshape(B, 1, H * N)).view(B, H, N)
     return keep | (rest & (ranks < left[:, None, None]))
@@ -94,6 +112,11 @@ class ImportanceGuard:
     window_share: fraction of that budget that each (layer, KV head) gives to the tokens the last
             prompt queries attend to most (SnapKV's score, kernel 7; needs query_window > 0), after
             the sentences and the per-head tokens: what the text right before the next input needs
+    head_budget: how ``token_share`` is split over the KV heads of a layer: "uniform" (each head
+            its share) or "adaptive" (Ada-KV: one top-k over all heads of the layer, so heads whose
+            importance is concentrated give tokens to the others; a head takes at most twice its
+            share). The merger still fills every head to the same slot count, so the layer tensor
+            stays rectangular at the budget: the per-head budget is of exact tokens, not of memory
     reduce: a sentence's score from its tokens' importance (importance of a token = its
             reconstruction score summed over every layer and KV head): "mean" (importance per
             token of budget spent), "sum" or "max"
@@ -108,15 +131,18 @@ class ImportanceGuard:
     persistent = True
 
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
-                 window_share: float = 0.0, ends: Sequence[str] = SENTENCE_ENDS):
+                 window_share: float = 0.0, head_budget: str = "uniform", ends: Sequence[str] = SENTENCE_ENDS):
         check_range("share", share, 0.0, 1.0)
         check_range("token_share", token_share, 0.0, 1.0)
         check_range("window_share", window_share, 0.0, 1.0)
         require(share + token_share + window_share <= 1.0 + 1e-9, "token_share", token_share,
                 f"at most 1 - share - window_share = {1.0 - share - window_share:g} (one budget for all three)")
         self.token_share, self.window_share = float(token_share), float(window_share)
+        check_choice("head_budget", head_budget, HEAD_BUDGETS)
+        self.head_budget = head_budget
         self._window: Tensor | None = None
         self._tokens: Tensor | None = None  # [B] tokens per head given to the per-head choice
+        self._cap: Tensor | None = None  # [B] most tokens one head may take with head_budget="adaptive"
         check_choice("reduce", reduce, REDUCES)
         ends = tuple(ends)
         require(len(ends) > 0 and all(isinstance(e, str) and e for e in ends), "ends", ends,
@@ -126,7 +152,8 @@ class ImportanceGuard:
         self._keep: Tensor | None = None
 
     def __repr__(self) -> str:
-        return f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share})"
+        return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
+                f"window_share={self.window_share}, head_budget={self.head_budget!r})")
 
     needs = Needs(model_pass=True)
 
@@ -164,6 +191,7 @@ class ImportanceGuard:
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
         self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
+        self._cap = (room - allowance - self._window).clamp(min=0)  # what sentences and window leave
 
     def chosen_tokens(self) -> Tensor | None:
         """[B, T0] bool: tokens of the chosen sentences (None before ``prepare``)."""
@@ -183,8 +211,15 @@ class ImportanceGuard:
             from .eviction import rank_desc
 
             free = state.valid & ~mask
-            rank = rank_desc(reconstruction_stat(state, "importance guard"), free)
-            mask |= free & (rank < self._tokens.to(rank.device)[:, None, None])
+            scores = reconstruction_stat(state, "importance guard")
+            rank = rank_desc(scores, free)
+            tokens = self._tokens.to(rank.device)[:, None, None]  # [B, 1, 1]
+            if self.head_budget == "adaptive":
+                cap = torch.minimum(2 * tokens, self._cap.to(rank.device)[:, None, None])
+                capped = free & (rank < cap)
+                mask |= adaptive_keep(scores, capped, tokens[..., 0].expand(B, H), head_floor=0.0)
+            else:
+                mask |= free & (rank < tokens)
         if self.window_share > 0:
             from .eviction import rank_desc
 
