@@ -57,7 +57,8 @@ def recording_needs(configs) -> Needs:
 
 
 def needs_of(configs) -> tuple[int, bool]:
-    """(query window, track attention) a recorder needs to serve every config."""
+    """(query window, track attention) a recorder needs to serve every config (no reference
+    queries: use ``Recorder.for_configs`` to record everything, e.g. for the fitted merger)."""
     needs = recording_needs(configs)
     return needs.query_window, needs.attention
 
@@ -78,12 +79,21 @@ class Recorder:
 
         if needs is None:
             needs = Needs(query_window=query_window, attention=track_attention)
+        # only what a prefill records: the model-pass and all-layer needs belong to the copies
+        needs = Needs(query_window=needs.query_window, reference_queries=needs.reference_queries,
+                      attention=needs.attention)
         self.needs = needs
         self.model = model
         self.cache = CompressedCache.for_model(model, tokenizer, None, backend=backend, vocab=vocab, record=needs)
         self.backend = backend
         self.forwards = 0
         self.prefill_s = 0.0
+
+    @classmethod
+    def for_configs(cls, model, tokenizer, configs, *, backend: str = "auto", vocab=None) -> "Recorder":
+        """A recorder of everything the pipelines of ``configs`` need (``recording_needs``): their
+        query window, attention statistics and strided reference queries (the fitted merger's)."""
+        return cls(model, tokenizer, backend=backend, vocab=vocab, needs=recording_needs(configs))
 
     def feed(self, ids: Tensor, *, logits: bool = False) -> Tensor | None:
         """Run the model over ``ids`` [1, q] on top of what was fed; returns logits [1, q, V] when
@@ -190,9 +200,11 @@ def _as_needed(state: KVState, needs: Needs, name: str) -> KVState:
             f"a recorder with query_window >= {window} for pipeline {name!r}")
     reference = state.extras.get("reference_queries")
     R = needs.reference_queries
+    # a stride of R over the prefill is not a subset of another R': the count must be the same
     require(R == 0 or (reference is not None and reference.shape[2] == R), "snapshot",
             f"reference queries {None if reference is None else reference.shape[2]}",
-            f"a recorder with reference_queries == {R} for pipeline {name!r}")
+            f"a recorder with reference_queries == {R} for pipeline {name!r} (Recorder.for_configs; "
+            "methods of one grid must agree on reference_queries)")
     require(not needs.attention or "attn_acc" in state.stats, "snapshot", "no attention statistics",
             f"a recorder with track_attention=True for pipeline {name!r}")
     extras = {k: v for k, v in state.extras.items() if k not in ("queries", "reference_queries")}
