@@ -68,7 +68,7 @@ def attention_alone(cache, num_q_heads: int, backend: str, device, reps: int) ->
 
     import torch.nn.functional as F
 
-    from kvcompress.hf import compile_count, resolve_backend
+    from kvcompress.hf import Backends, compile_count
 
     calls = []
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -82,7 +82,7 @@ def attention_alone(cache, num_q_heads: int, backend: str, device, reps: int) ->
             calls.append(lambda q=q, k=keys, v=values: F.scaled_dot_product_attention(q, k, v, scale=scale,
                                                                                       enable_gqa=True))
         else:
-            fn = resolve_backend(backend, device)
+            fn = Backends(backend)
             ls = torch.zeros(B, H, N, device=device) if ls is None else ls
             calls.append(lambda q=q, k=keys, v=values, ls=ls, fn=fn: fn(q, k, v, ls, scale=scale, causal=False,
                                                                       use_sizes=True))
