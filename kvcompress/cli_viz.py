@@ -3,8 +3,6 @@
     kvcompress viz --file essay.txt --preset semanticache --keep-ratio 0.5 --layer 12 --head 0 \\
         --html viz.html --png viz.png
     python -m kvcompress.cli_viz --text "..." --preset centroidkv --png viz.png
-
-The CLI owner wires it with ``add_parser(subparsers)``; the parser's default ``func`` is ``run``.
 """
 
 from __future__ import annotations
@@ -78,21 +76,150 @@ def parse_overrides(items: list[str], keep_ratio: float | None, max_slots: int |
     return overrides
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load the model, render, print a one-line JSON summary. Returns the exit code."""
-    from .viz import load_model, visualize_text
+def model_geometry(model: str | None, gguf_file: str | None) -> tuple[int, int] | None:
+    """(layers, KV heads) from the model's config alone (the GGUF header or config.json), without
+    loading weights; None when the config cannot be read that way (a hub id)."""
+    from .hf.loading import SMOLLM2_GGUF, smollm2_dir
+
+    if model in (None, "smollm2"):
+        return gguf_geometry(smollm2_dir() / (gguf_file or SMOLLM2_GGUF))
+    path = Path(model).expanduser()
+    if gguf_file:
+        return gguf_geometry(path / gguf_file)
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    data = data.get("text_config", data)
+    layers, heads = data.get("num_hidden_layers"), data.get("num_key_value_heads", data.get("num_attention_heads"))
+    return (int(layers), int(heads)) if layers and heads else None
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_geometry(path: Path) -> tuple[int, int] | None:
+    """(block_count, head_count_kv) read from a GGUF file's header (the metadata before the
+    tensors: milliseconds, where a full reader maps every tensor first)."""
+    import struct
+
+    wanted = {}
+    with open(path, "rb") as f:
+        def read(fmt):
+            size = struct.calcsize("<" + fmt)
+            return struct.unpack("<" + fmt, f.read(size))[0]
+
+        def read_str():
+            return f.read(read("Q")).decode("utf-8", errors="replace")
+
+        def skip_value(kind):
+            if kind == 8:
+                f.seek(read("Q"), 1)
+            elif kind == 9:
+                inner, n = read("I"), read("Q")
+                if inner in _GGUF_SCALARS:
+                    f.seek(n * struct.calcsize("<" + _GGUF_SCALARS[inner]), 1)
+                else:
+                    for _ in range(n):
+                        skip_value(inner)
+            else:
+                f.seek(struct.calcsize("<" + _GGUF_SCALARS[kind]), 1)
+
+        if f.read(4) != b"GGUF":
+            return None
+        read("I")  # version
+        read("Q")  # tensor count
+        for _ in range(read("Q")):
+            key, kind = read_str(), read("I")
+            if key.endswith((".block_count", ".attention.head_count_kv")) and kind in _GGUF_SCALARS:
+                wanted[key.rsplit(".", 1)[-1] if key.endswith(".block_count") else "head_count_kv"] = read(
+                    _GGUF_SCALARS[kind])
+                if len(wanted) == 2:
+                    return int(wanted["block_count"]), int(wanted["head_count_kv"])
+            else:
+                skip_value(kind)
+    return None
+
+
+def check_args(args: argparse.Namespace) -> tuple[str, dict]:
+    """Every argument, before any model loads; returns (text, pipeline overrides)."""
+    from .cli import check_input_file, check_output_file, check_pipeline, fail
+    from .hf.loading import smollm2_dir
 
     if args.html is None and args.png is None:
         raise ValueError("--html/--png are both missing: expected at least one output path")
-    text = args.text if args.text is not None else args.file.read_text(encoding="utf-8")
+    if args.file is not None:
+        check_input_file("--file", args.file)
+        try:
+            text = args.file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            fail("--file", args.file, "a UTF-8 text file")
+        if not text.strip():
+            fail("--file", args.file, "a file holding some text (it is empty)")
+    else:
+        text = args.text
+        if not text.strip():
+            fail("--text", text, "some text to prefill (at least two tokens)")
+    check_output_file("--html", args.html)
+    check_output_file("--png", args.png)
+    for flag, value, lo in (("--layer", args.layer, 0), ("--head", args.head, 0), ("--max-tokens", args.max_tokens, 2),
+                            ("--png-tokens", args.png_tokens, 1)):
+        if value < lo:
+            fail(flag, value, f"an integer >= {lo}")
+    if args.keep_ratio is not None and not 0.0 < args.keep_ratio <= 1.0:
+        fail("--keep-ratio", args.keep_ratio, "a fraction of the tokens in (0, 1]")
+    if args.max_slots is not None and args.max_slots < 1:
+        fail("--max-slots", args.max_slots, "a slot count >= 1")
+    if args.preset.endswith(".json"):
+        check_input_file("--preset", Path(args.preset))
     overrides = parse_overrides(args.set, args.keep_ratio, args.max_slots)
+    check_pipeline(args.preset, {**overrides, "on_infeasible": "best_effort"},
+                   f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.set))
+    if args.model in (None, "smollm2"):
+        smollm2_dir()  # ModelUnavailable says how to install it
+    elif not Path(args.model).expanduser().is_dir():
+        fail("--model", args.model, "'smollm2' or a local model directory")
+    if args.gguf_file is not None:
+        base = smollm2_dir() if args.model in (None, "smollm2") else Path(args.model).expanduser()
+        check_input_file("--gguf-file", base / args.gguf_file)
+    geometry = model_geometry(args.model, args.gguf_file)
+    if geometry is not None:
+        layers, heads = geometry
+        if args.layer >= layers:
+            fail("--layer", args.layer, f"a layer index < {layers} (the model has {layers} layers)")
+        if args.head >= heads:
+            fail("--head", args.head, f"a KV-head index < {heads} (the model has {heads} KV heads)")
+    return text, overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, render, print a one-line JSON summary. Returns the exit code."""
+    from .cli import Progress, fail
+
+    text, overrides = check_args(args)  # every argument, before the model loads
+    from .viz import load_model, visualize_text
+
+    progress = Progress("kvcompress viz")
+    progress.start(f"loading {args.model}")
     model, tokenizer = load_model(args.model, args.gguf_file)
+    progress.done("model loaded")
+    layers = model.config.num_hidden_layers
+    heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    if args.layer >= layers:  # a model whose config could not be read before loading
+        fail("--layer", args.layer, f"a layer index < {layers} (the model has {layers} layers)")
+    if args.head >= heads:
+        fail("--head", args.head, f"a KV-head index < {heads} (the model has {heads} KV heads)")
+    n_tokens = len(tokenizer(text)["input_ids"])
+    if n_tokens < 2:
+        fail("--file" if args.file is not None else "--text", text[:40], "text of at least two tokens")
     label = "SmolLM2-135M-Instruct" if args.model in (None, "smollm2") else Path(args.model).name
     method = Path(args.preset).stem if args.preset.endswith(".json") else args.preset
     title = args.title or f"What {method} merged: {label}, layer {args.layer}, KV head {args.head}"
+    progress.start(f"prefilling {min(n_tokens, args.max_tokens)} tokens and compressing layer {args.layer}")
     view = visualize_text(model, tokenizer, text, config=args.preset, layer_idx=args.layer, head=args.head,
                           max_tokens=args.max_tokens, html_path=args.html, png_path=None, title=title,
                           **overrides)
+    progress.done("compressed")
     if args.png is not None:
         from .viz import render_png
 
@@ -105,12 +232,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as exc:  # bad input: say what is wrong, no traceback
-        print(f"kvcompress viz: error: {exc}", file=sys.stderr)
-        return 2
+    """``python -m kvcompress.cli_viz ...``: the same as ``kvcompress viz ...``."""
+    from .cli import main as cli_main
+
+    return cli_main(["viz", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

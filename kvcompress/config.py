@@ -69,7 +69,8 @@ class StrategySpec:
         return {"name": self.name, "params": _thaw(self.params)}
 
 
-INFEASIBLE_POLICIES = ("error", "best_effort")
+STAGES = ("chunker", "clusterer", "merger", "fallback_chunker")  # the "stage.param" override prefixes
+INFEASIBLE_POLICIES = ("warn", "best_effort", "error")
 DEFAULT_KEEP_RATIO = 0.5
 
 
@@ -87,11 +88,15 @@ class PipelineConfig:
     sinks: int = 4
     recent: int = 0
     chunker: StrategySpec = field(default_factory=lambda: StrategySpec("global"))
+    # chunker for the heads whose budget lies below what ``chunker`` can reach (None: no fallback)
+    fallback_chunker: StrategySpec | None = None
     clusterer: StrategySpec = field(default_factory=lambda: StrategySpec("gsc"))
     merger: StrategySpec = field(default_factory=lambda: StrategySpec("mean"))
     guards: tuple[StrategySpec, ...] = ()
     max_rounds: int = 64
-    on_infeasible: str = "error"
+    # a budget out of reach: "warn" = smallest cache reached + one BudgetWarning, "best_effort" =
+    # the same without the warning (results record it), "error" = BudgetError, nothing changed
+    on_infeasible: str = "warn"
     proportional_attention: bool = True
     # decode-time: compress again when a layer exceeds its budget by this many slots (g)
     recompress_every: int = 64
@@ -106,6 +111,8 @@ class PipelineConfig:
     def __post_init__(self):
         set_ = object.__setattr__
         set_(self, "chunker", StrategySpec.coerce(self.chunker, "chunker"))
+        if self.fallback_chunker is not None:
+            set_(self, "fallback_chunker", StrategySpec.coerce(self.fallback_chunker, "fallback_chunker"))
         set_(self, "clusterer", StrategySpec.coerce(self.clusterer, "clusterer"))
         set_(self, "merger", StrategySpec.coerce(self.merger, "merger"))
         require(isinstance(self.guards, (list, tuple)), "guards", self.guards, "a list of strategy specs")
@@ -142,7 +149,7 @@ class PipelineConfig:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, StrategySpec):
+            if isinstance(value, StrategySpec):  # chunker, ..., fallback_chunker when set
                 value = value.to_dict()
             elif f.name == "guards":
                 value = [g.to_dict() for g in value]
@@ -176,17 +183,22 @@ class PipelineConfig:
         for key, value in changes.items():
             if "." in key:
                 stage, param = key.split(".", 1)
-                require(stage in ("chunker", "clusterer", "merger"), "override", key,
-                        "'<chunker|clusterer|merger>.<param>' or a PipelineConfig field")
+                require(stage in STAGES, "override", key,
+                        f"'<{'|'.join(STAGES)}>.<param>' or a PipelineConfig field")
                 nested.setdefault(stage, {})[param] = value
             else:
                 flat[key] = value
+        if "chunker" in flat and "fallback_chunker" not in flat:
+            flat["fallback_chunker"] = None  # a fallback backs up the chunker it was chosen for
         if ("keep_ratio" in flat) and "max_slots" not in flat and flat["keep_ratio"] is not None:
             flat["max_slots"] = None
         if ("max_slots" in flat) and "keep_ratio" not in flat and flat["max_slots"] is not None:
             flat["keep_ratio"] = None
         for stage, params in nested.items():
-            spec = StrategySpec.coerce(flat.get(stage, getattr(self, stage)), stage)
+            current = flat.get(stage, getattr(self, stage))
+            require(current is not None, "override", f"{stage}.{sorted(params)[0]}",
+                    f"a parameter of a {stage} the config names (set {stage} first)")
+            spec = StrategySpec.coerce(current, stage)
             flat[stage] = StrategySpec(spec.name, {**spec.params, **params})
         allowed = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(flat) - allowed)
@@ -209,6 +221,16 @@ def parse_overrides(items, flag: str = "--set", form: str = "KEY=VALUE") -> dict
     return out
 
 
+def _config_file(path: Path) -> PipelineConfig:
+    """A pipeline JSON file; a missing or malformed file is a ValueError naming it."""
+    require(path.is_file(), "config", str(path), "a preset name or an existing pipeline JSON file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"config={str(path)!r} is invalid: expected a readable pipeline JSON file ({exc})") from None
+    return PipelineConfig.from_dict(data)
+
+
 def as_config(config: "PipelineConfig | Mapping | str | Path", **overrides) -> PipelineConfig:
     """A preset name, a dict, a JSON file path or a config object, with overrides applied."""
     from .presets import get_preset
@@ -218,7 +240,7 @@ def as_config(config: "PipelineConfig | Mapping | str | Path", **overrides) -> P
     elif isinstance(config, Mapping):
         cfg = PipelineConfig.from_dict(config)
     elif isinstance(config, Path) or (isinstance(config, str) and config.endswith(".json")):
-        cfg = PipelineConfig.from_json(Path(config).read_text())
+        cfg = _config_file(Path(config))
     elif isinstance(config, str):
         cfg = get_preset(config)
     else:

@@ -6,6 +6,10 @@ was given, so an error (bad input, a budget that cannot be met) leaves the calle
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -13,7 +17,7 @@ from torch import Tensor
 
 from .budget import target_slots as budget_slots
 from .config import PipelineConfig, as_config
-from .protocols import ClusterPlan, CrossLayerGuard, Needs, PersistentGuard, needs_of
+from .protocols import ClusterPlan, CrossLayerGuard, Needs, PersistentGuard, budget_scope_of, needs_of
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
 from .validation import check_int, require
@@ -24,6 +28,79 @@ GUARD_MARK = "guarded"  # stats key: [B, H, N] uint8, slots a persistent guard p
 
 class BudgetError(ValueError):
     """The budget cannot be met under the pipeline's protection and chunking."""
+
+
+class BudgetWarning(UserWarning):
+    """A budget was out of reach (``on_infeasible="warn"``): the cache is the smallest reached."""
+
+
+# Shortfalls collected by an active ``budget_warnings()`` scope (None: warn from the pipeline).
+_SCOPE: ContextVar[list | None] = ContextVar("kvcompress_budget_scope", default=None)
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """One compression that missed its budget (met=False) or met it only through the fallback
+    chunker (met=True). keep: slots / tokens of its worst head; why: what held it up."""
+
+    pipeline: str
+    budget: str
+    layer_idx: int | None
+    keep: float
+    met: bool
+    why: str
+
+
+@contextmanager
+def budget_warnings():
+    """Gather the shortfalls of every compression inside (``on_infeasible="warn"``) into ONE
+    BudgetWarning, issued when the block ends; ``kvcompress.generate`` wraps a call in it::
+
+        with budget_warnings() as notes:   # notes: a list of Shortfall
+            ...
+    """
+    notes: list[Shortfall] = []
+    token = _SCOPE.set(notes)
+    try:
+        yield notes
+    finally:
+        _SCOPE.reset(token)
+    if notes:
+        warnings.warn(summarize_shortfalls(notes), BudgetWarning, stacklevel=3)
+
+
+def summarize_shortfalls(notes: list[Shortfall]) -> str:
+    """One message for a list of shortfalls: the worst one, and how many there were."""
+    missed = [n for n in notes if not n.met]
+    worst = max(missed or notes, key=lambda n: n.keep)
+    count = len(missed or notes)
+    where = "" if worst.layer_idx is None else f" (worst at layer {worst.layer_idx}" + (
+        f"; {count} layer compressions alike)" if count > 1 else ")")
+    if missed:
+        return (f"pipeline {worst.pipeline!r}: {worst.budget} is out of reach: keep reached "
+                f"{worst.keep:.3f}{where}: {worst.why}")
+    return f"pipeline {worst.pipeline!r}: {worst.budget} met, keep reached {worst.keep:.3f}{where}, {worst.why}"
+
+
+def _worst_keep(report: CompressionReport) -> float:
+    """Slots / tokens of the worst head among the rows that missed their target (all rows when
+    none did): rows left whole because they are short would otherwise read as keep 1.0."""
+    ratio = report.slots_per_head.double() / report.tokens_per_row.clamp(min=1)[:, None].double()
+    missed = (report.slots_per_head > report.target).any(-1)  # [B]
+    rows = ratio[missed] if bool(missed.any()) else ratio
+    return float(rows.max())
+
+
+def chunk_floor(valid: Tensor, chunk_ids: Tensor) -> Tensor:
+    """[B, H] long: the fewest slots one compression can reach with these chunks: every valid slot
+    outside a chunk (protected, anchors) plus one slot per chunk.
+
+    valid, chunk_ids: [B, H, N] (chunk ids non-decreasing along N among ids >= 0)
+    """
+    ids = torch.where(valid, chunk_ids, -1)
+    fixed = (valid & (ids < 0)).sum(-1)
+    seen = torch.cat([torch.full_like(ids[..., :1], -1), ids[..., :-1].cummax(-1).values], dim=-1)
+    return fixed + ((ids >= 0) & (ids > seen)).sum(-1)
 
 
 class Pipeline:
@@ -37,6 +114,9 @@ class Pipeline:
         self.config = as_config(config, **overrides)
         cfg = self.config
         self.chunker = CHUNKERS.create(cfg.chunker.name, cfg.chunker.params)
+        self.fallback_chunker = (None if cfg.fallback_chunker is None else
+                                 CHUNKERS.create(cfg.fallback_chunker.name, cfg.fallback_chunker.params))
+        self._warned = False  # on_infeasible="warn" outside a budget_warnings() scope: once per pipeline
         self.clusterer = CLUSTERERS.create(cfg.clusterer.name, cfg.clusterer.params)
         self.merger = MERGERS.create(cfg.merger.name, cfg.merger.params)
         self.guards = tuple(GUARDS.create(g.name, g.params) for g in cfg.guards)
@@ -140,24 +220,38 @@ class Pipeline:
 
     # ------------------------------------------------------------------ compression
     def compress(self, state: KVState, layer_idx: int | None = None) -> tuple[KVState, CompressionReport]:
-        """Compress ``state`` to the budget. Raises BudgetError (a ValueError) when the budget
-        cannot be met and ``on_infeasible='error'``; the input state is never modified."""
+        """Compress ``state`` to the budget; the input state is never modified.
+
+        A budget out of reach gives the smallest cache reached (``report.budget_met = False``):
+        with ``on_infeasible='warn'`` (the default) and one BudgetWarning per pipeline (or per
+        ``budget_warnings()`` scope) naming the keep reached and why; ``'best_effort'`` says nothing;
+        ``'error'`` raises BudgetError (a ValueError). Rows no longer than ``sinks + recent`` are
+        all protected: they stay uncompressed and count as within budget.
+        """
         require(isinstance(state, KVState), "state", type(state).__name__, "a KVState")
         state.validate()
         if layer_idx is not None:
             check_int("layer_idx", layer_idx, 0)
         cfg = self.config
-        target = self.target_slots(state, layer_idx)
+        target = self._row_targets(state, self.target_slots(state, layer_idx))
         current = state = self._prepared(state)
         taus = None
         rounds = 0
+        fallback_used = False
         for round_idx in range(cfg.max_rounds):
             slots = current.valid.sum(-1)
-            if round_idx > 0 and bool((slots <= target).all()):
+            if round_idx > 0 and self._met(slots, target):
                 break
             protected = self.protection(current, layer_idx)
-            chunk_ids = self.chunker(current, protected)
-            plan: ClusterPlan = self.clusterer(current, chunk_ids, target, round_idx)
+            chunk_ids, fell_back = self._chunk_ids(current, protected, target)
+            fallback_used |= fell_back
+            try:
+                plan: ClusterPlan = self.clusterer(current, chunk_ids, target, round_idx)
+            except ValueError as exc:  # name the method the user asked for, not only its parts
+                where = f"pipeline {cfg.name!r} (clusterer {cfg.clusterer.name!r})"
+                if isinstance(exc, BudgetError) or str(exc).startswith(where):
+                    raise
+                raise ValueError(f"{where}: {exc}") from exc
             parent = self._checked_plan(current, plan.parent, protected, chunk_ids)
             if plan.tau is not None:
                 taus = plan.tau
@@ -170,14 +264,97 @@ class Pipeline:
                 break
 
         slots = current.valid.sum(-1)
-        met = bool((slots <= target).all())
+        met = self._met(slots, target)
         report = CompressionReport(
             slots_per_head=slots, tokens_per_row=state.real_tokens(), target=target,
             num_slots=current.num_slots, rounds=rounds, budget_met=met, tau=taus, layer_idx=layer_idx,
         )
         if not met and cfg.on_infeasible == "error":
             raise BudgetError(self._infeasible_message(state, layer_idx, slots, target))
+        if cfg.on_infeasible == "warn":
+            self._note_shortfall(state, layer_idx, report, fallback_used)
         return current, report
+
+    def _row_targets(self, state: KVState, target: Tensor) -> Tensor:
+        """``target`` with rows that the sinks and the recent window cover whole raised to their
+        slots: such a row (a short prompt, a short row of a batch) stays uncompressed."""
+        cfg = self.config
+        short = state.real_tokens() <= cfg.sinks + cfg.recent  # [B]
+        if not bool(short.any()):
+            return target
+        return torch.where(short[:, None], torch.maximum(target, state.valid.sum(-1)), target)
+
+    def _chunk_ids(self, state: KVState, protected: Tensor, target: Tensor) -> tuple[Tensor, bool]:
+        """Chunk ids of the pipeline's chunker; heads whose target lies below what those chunks can
+        reach use ``fallback_chunker`` instead (when the config names one)."""
+        chunk_ids = self.chunker(state, protected)
+        if self.fallback_chunker is None:
+            return chunk_ids, False
+        short = chunk_floor(state.valid, chunk_ids) > target  # [B, H]
+        if not bool(short.any()):
+            return chunk_ids, False
+        other = self.fallback_chunker(state, protected)
+        return torch.where(short[..., None], other, chunk_ids), True
+
+    def _note_shortfall(self, state: KVState, layer_idx, report: CompressionReport, fallback_used: bool) -> None:
+        """Warn (once per pipeline, or once per ``budget_warnings()`` scope) when the budget was
+        missed, or when it was met only through the fallback chunker."""
+        scope = _SCOPE.get()
+        if report.budget_met and not fallback_used:
+            return
+        if scope is None and self._warned:
+            return
+        cfg = self.config
+        if report.budget_met:
+            why = (f"but only with the fallback chunker {cfg.fallback_chunker.name!r} "
+                   f"{dict(cfg.fallback_chunker.params)}: chunker {cfg.chunker.name!r}, as the method defines it, "
+                   f"cannot make the cache that small")
+        else:
+            why = self._shortfall_reason(state, layer_idx, report.slots_per_head, report.target)
+            why += ("; the cache kept is the smallest reached (on_infeasible='error' raises instead, "
+                    "'best_effort' does not warn)")
+        note = Shortfall(cfg.name, self._budget_text(), layer_idx, _worst_keep(report), report.budget_met, why)
+        if scope is not None:
+            scope.append(note)
+        else:
+            self._warned = True
+            warnings.warn(summarize_shortfalls([note]), BudgetWarning, stacklevel=3)
+
+    def _budget_text(self) -> str:
+        cfg = self.config
+        return f"keep_ratio={cfg.keep_ratio}" if cfg.keep_ratio is not None else f"max_slots={cfg.max_slots}"
+
+    def _shortfall_reason(self, state, layer_idx, slots, target) -> str:
+        """Why the worst head could not go lower: its protected slots, anchors and chunks."""
+        cfg = self.config
+        worst = int((slots - target).argmax())
+        b, h = divmod(worst, state.num_heads)
+        protected = self.protection(state, layer_idx)
+        one = (slice(b, b + 1), slice(h, h + 1))
+        valid, free = state.valid[one], state.valid[one] & ~protected[one]
+
+        def parts(chunker) -> tuple[int, int]:
+            ids = chunker(state, protected)[one]
+            fixed = int((free & (ids < 0)).sum())
+            return fixed, int(chunk_floor(valid, ids)) - fixed - int(protected[one].sum())
+
+        anchors, chunks = parts(self.chunker)
+        why = (f"head (row {b}, head {h}) may keep {int(target[b, h])} slots of {int(state.real_tokens()[b])} "
+               f"tokens but kept {int(slots[b, h])}: {int(protected[b, h].sum())} protected (sinks={cfg.sinks}, "
+               f"recent={cfg.recent}{', guards' if cfg.guards else ''}), {anchors} anchors and {chunks} chunk(s) "
+               f"of chunker {cfg.chunker.name!r} (merging keeps at least one slot per chunk)")
+        if self.fallback_chunker is not None:
+            anchors, chunks = parts(self.fallback_chunker)
+            why += (f"; with the fallback chunker {cfg.fallback_chunker.name!r} "
+                    f"{dict(cfg.fallback_chunker.params)}: {anchors} anchors and {chunks} chunk(s)")
+        return why
+
+    def _met(self, slots: Tensor, target: Tensor) -> bool:
+        """Every head within its target, or, for a clusterer whose per-head counts may differ
+        (``budget_scope == "layer"``, Ada-KV), every layer row within the sum of its targets."""
+        if budget_scope_of(self.clusterer) == "layer":
+            return bool((slots.sum(-1) <= target.sum(-1)).all())
+        return bool((slots <= target).all())
 
     def _checked_plan(self, state: KVState, parent: Tensor, protected: Tensor, chunk_ids: Tensor) -> Tensor:
         """Enforce the invariants every plan must keep, whoever wrote the clusterer."""
@@ -198,16 +375,10 @@ class Pipeline:
 
     def _infeasible_message(self, state, layer_idx, slots, target) -> str:
         cfg = self.config
-        worst = int((slots - target).argmax())
-        b, h = divmod(worst, state.num_heads)
-        budget = f"keep_ratio={cfg.keep_ratio}" if cfg.keep_ratio is not None else f"max_slots={cfg.max_slots}"
-        protected = int(self.protection(state, layer_idx)[b, h].sum())
         return (
-            f"{budget} is infeasible for pipeline {cfg.name!r}"
-            f"{'' if layer_idx is None else f' at layer {layer_idx}'}: head (batch {b}, head {h}) "
-            f"may keep {int(target[b, h])} slots of {int(state.real_tokens()[b])} tokens but cannot go below "
-            f"{int(slots[b, h])} (protected slots: {protected}, plus what the chunker "
-            f"{cfg.chunker.name!r} keeps as anchors and one slot per chunk). Raise the budget, protect fewer "
+            f"{self._budget_text()} is infeasible for pipeline {cfg.name!r}"
+            f"{'' if layer_idx is None else f' at layer {layer_idx}'}: "
+            f"{self._shortfall_reason(state, layer_idx, slots, target)}. Raise the budget, protect fewer "
             f"tokens (sinks={cfg.sinks}, recent={cfg.recent}), use a coarser chunker, or set "
-            f"on_infeasible='best_effort' to accept the smallest reachable cache"
+            f"on_infeasible='warn' (or 'best_effort') to accept the smallest reachable cache"
         )

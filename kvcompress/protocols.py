@@ -155,6 +155,23 @@ class PersistentGuard(Protocol):
 
 
 @runtime_checkable
+class LayerBudgeted(Protocol):
+    """A clusterer whose per-head slot counts may differ within a layer (Ada-KV head budgets):
+    ``budget_scope`` "layer" means the budget is met when the heads' counts sum to at most the
+    layer's total; "head" (the default for every other clusterer) means each head meets its own."""
+
+    budget_scope: str
+
+
+def budget_scope_of(clusterer) -> str:
+    if isinstance(clusterer, LayerBudgeted):
+        scope = clusterer.budget_scope
+        require(scope in ("head", "layer"), f"{type(clusterer).__name__}.budget_scope", scope, "'head' or 'layer'")
+        return scope
+    return "head"
+
+
+@runtime_checkable
 class DecodeScoped(Protocol):
     """A clusterer's decode-time scope: "tail" (only slots not yet compressed are clustered) or
     "all" (every clusterable slot, the default)."""

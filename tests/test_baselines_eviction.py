@@ -121,13 +121,14 @@ def test_budget_met_per_head(B, H, N, ratio, sinks, recent, scorer, share, pad, 
     valid = state.valid.sum(-1)
     expect = torch.minimum(torch.maximum(target, protected), valid)  # exactly the target when feasible
     assert torch.equal(out.valid.sum(-1), expect)
-    assert report.budget_met == bool((expect <= target).all())
+    short = state.real_tokens() <= sinks + recent  # rows the protection covers whole count as met
+    assert report.budget_met == bool(((expect <= target) | short[:, None]).all())
     assert torch.equal(out.sizes().sum(-1), out.valid.sum(-1).float())  # eviction never merges
 
 
 def test_infeasible_budget_raises():
     with pytest.raises(BudgetError):
-        Pipeline("streamingllm", max_slots=3, sinks=4).compress(make_state())
+        Pipeline("streamingllm", max_slots=3, sinks=4, on_infeasible="error").compress(make_state())
 
 
 def test_full_is_an_exact_identity():

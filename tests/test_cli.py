@@ -102,6 +102,8 @@ def test_demo_json_on_a_local_model(tiny_model_dir, capsys):
         assert key in report
     assert report["kv_bytes_compressed"] < report["kv_bytes_full"]
     assert len(report["slots_per_layer"]) == 2
+    assert report["keep_reached"] == pytest.approx(max(report["slots_per_layer"]) / report["context_tokens"], abs=1e-5)
+    assert report["budget_met"] is (report["keep_reached"] <= 0.5) and report["budget_note"] is None
 
 
 def test_demo_text_output_on_a_local_model(tiny_model_dir, tmp_path, capsys):
@@ -111,6 +113,19 @@ def test_demo_text_output_on_a_local_model(tiny_model_dir, tmp_path, capsys):
                      "--max-new-tokens", "3", "--backend", "sdpa", "--budget", "0.5", "--set", "recent=4",
                      "--set", "chunker=fixed", "--compare"])
     assert code == 0
-    out = capsys.readouterr().out
-    for label in ("answer", "full KV", "KV cache", "slots", "times"):
-        assert label in out
+    captured = capsys.readouterr()
+    for label in ("answer", "full KV", "KV cache", "slots", "keep      reached", "budget met", "times"):
+        assert label in captured.out
+    # progress on stderr: the model load, the prefill and generation
+    assert "loading" in captured.err and "model loaded in" in captured.err and "prefilling" in captured.err
+
+
+def test_demo_warns_once_when_the_budget_is_out_of_reach(tiny_model_dir, capsys):
+    code = cli.main(["demo", "--model", str(tiny_model_dir), "--tokens", "200", "--max-new-tokens", "2", "--json",
+                     "--backend", "sdpa", "--budget", "0.05", "--preset", "streamingllm", "--set", "sinks=16"])
+    assert code == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["budget_met"] is False and report["keep_reached"] > 0.05
+    warnings_ = [line for line in captured.err.splitlines() if "warning:" in line]
+    assert len(warnings_) == 1 and "keep_ratio=0.05 is out of reach: keep reached" in warnings_[0]

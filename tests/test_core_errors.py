@@ -129,7 +129,7 @@ def test_delimiter_chunker_needs_token_ids_and_vocab():
 def test_infeasible_budget_raises_budget_error(budget, name):
     state = make_state(2, B=1, H=2, N=20, with_membership=False)
     snapshot = clone_state(state)
-    pipe = Pipeline("semanticache", sinks=4, recent=4, **budget)
+    pipe = Pipeline("semanticache", sinks=4, recent=4, on_infeasible="error", **budget)
     with pytest.raises(BudgetError) as info:
         pipe.compress(state)
     assert isinstance(info.value, ValueError)

@@ -324,7 +324,7 @@ def test_budget_below_sinks_plus_recent_is_a_clear_value_error():
     state = random_state(1, 2, 400, 8, 0)
     snap = snapshot(state)
     with pytest.raises(ValueError, match="sinks=16, recent=64") as err:
-        kc.Pipeline("centroidkv", max_slots=60).compress(state)
+        kc.Pipeline("centroidkv", max_slots=60, on_infeasible="error").compress(state)
     assert isinstance(err.value, kc.BudgetError)
     assert unchanged(state, snap)
 
@@ -337,7 +337,7 @@ def test_schedules_that_never_reach_the_budget(overrides):
     state = random_state(1, 2, 1000, 8, 0)
     snap = snapshot(state)
     with pytest.raises(kc.BudgetError, match="keep_ratio=0.1"):
-        kc.Pipeline("centroidkv", keep_ratio=0.1, **overrides).compress(state)
+        kc.Pipeline("centroidkv", keep_ratio=0.1, on_infeasible="error", **overrides).compress(state)
     assert unchanged(state, snap)
     # the documented fallback: best effort returns what it reached and says so
     out, rep = kc.Pipeline("centroidkv", keep_ratio=0.1, on_infeasible="best_effort", **overrides).compress(state)

@@ -210,7 +210,7 @@ def test_marks_persist_through_a_later_compression_by_another_pipeline():
 def test_the_input_state_is_untouched_and_a_failure_changes_nothing():
     state = _text_state(7, T=200, digits_at=(11,))
     before = {k: v.clone() for k, v in (("keys", state.keys), ("log_sizes", state.log_sizes))}
-    cfg = kc.get_preset("semanticache-safe", keep_ratio=0.02, sinks=2, recent=4)
+    cfg = kc.get_preset("semanticache-safe", keep_ratio=0.02, sinks=2, recent=4, on_infeasible="error")
     with pytest.raises(kc.BudgetError):
         kc.Pipeline(cfg).compress(state.replace(extras={**state.extras, "queries": torch.randn(1, 4, 8, 16)}))
     assert GUARD_MARK not in state.stats

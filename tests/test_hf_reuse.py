@@ -130,7 +130,7 @@ def test_compress_is_all_or_nothing():
     raw = make_cache(model, None)
     _prefill(model, prompt_ids(83, 40), raw)
     built = CompressedCache.from_states(raw.states(), "semanticache", vocab=TINY_VOCAB, backend="sdpa",
-                                        keep_ratio=0.1, recent=32)
+                                        keep_ratio=0.1, recent=32, on_infeasible="error")
     with pytest.raises(ValueError, match="infeasible"):
         built.compress()
     assert built.slots_per_layer() == [40, 40] and not built.layers[0].compressed

@@ -396,9 +396,14 @@ def _against_plain(v: _Variant, plain: _Variant | None, weights: int, gbps: floa
         kv = v.build["kv"]["held"]
         floor = floor_ms(weights + kv, gbps)
         tpot = statistics.median(v.stream.times) * 1e3
-        out["bandwidth_floor"] = {"gbps": gbps, "bytes_read": weights + kv, "floor_ms": round(floor, 3),
-                                  "share_of_floor": round(floor / tpot, 4)}
+        out["bandwidth_floor"] = {"gbps": gbps, "bytes_read": weights + kv, "floor_ms": _sig(floor),
+                                  "share_of_floor": _sig(floor / tpot)}
     return out
+
+
+def _sig(x: float, digits: int = 6) -> float:
+    # significant digits, not decimals: a tiny model's floor is a few microseconds
+    return float(f"{x:.{digits}g}")
 
 
 def run_bench(settings: BenchSettings, out: Path | None = None, log=None, command: str | None = None) -> dict:

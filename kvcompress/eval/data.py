@@ -247,3 +247,63 @@ def token_span(offsets: list[tuple[int, int]], char_span: tuple[int, int], shift
 def random_word(rng: random.Random, lo: int = 3, hi: int = 6) -> str:
     """A made-up lowercase word (FWE's coded words)."""
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
+
+
+# ---------------------------------------------------------------------------- facts and distractors (issue 18)
+FACT_KINDS = ("code-word", "number", "word")
+
+
+def make_fact(kind: str, rng: random.Random) -> Needle:
+    """A fact to recall after compression. "code-word": the README demo's format,
+    'The secret code word is "lantern".' asked as "What is the secret code word? Answer with the
+    word only."; "number" / "word": the reference NIAH needle of that kind."""
+    check_choice("fact kind", kind, FACT_KINDS)
+    if kind != "code-word":
+        return make_needle(kind, rng)
+    value = random_value("word", rng)
+    return Needle(kind="word", value=value, sentence=f'The secret code word is "{value}".',
+                  question="What is the secret code word? Answer with the word only.")
+
+
+# ordinary sentences with ordinary numbers (years, counts, prices, durations): never 7 digits
+_DISTRACTORS = (
+    "In {year}, about {count} people came to the first meeting.",
+    "The report listed {count} items at {price} dollars each.",
+    "By {year} the town had grown to {count} residents.",
+    "She paid {price} dollars for the old {noun} in {year}.",
+    "The trip took {small} hours and covered {count} miles.",
+    "Around {count} copies were sold in the first {small} weeks.",
+    "The {noun} was built in {year} and repaired {small} times since.",
+    "Tickets cost {price} dollars, and {count} of them were gone by noon.",
+    "He spent {small} years on it and wrote {count} pages.",
+    "The company moved in {year}, when it had {count} employees.",
+)
+_NOUNS = ("house", "bridge", "piano", "boat", "school", "library", "clock", "mill", "tower", "car")
+
+
+def distractor_sentence(rng: random.Random) -> str:
+    """One ordinary sentence carrying ordinary numbers (a year, a count, a price, a duration)."""
+    template = rng.choice(_DISTRACTORS)
+    return template.format(year=rng.randint(1900, 2023), count=rng.randint(12, 4800), price=rng.randint(2, 950),
+                           small=rng.randint(2, 19), noun=rng.choice(_NOUNS))
+
+
+def add_distractors(text: str, rng: random.Random, every_chars: int = 600) -> str:
+    """``text`` with a distractor sentence at the sentence boundary after every ~``every_chars``
+    characters (about 150 tokens of English prose)."""
+    check_int("every_chars", every_chars, 1)
+    out, prev, pos = [], 0, every_chars
+    while pos < len(text):
+        cut = sentence_boundary(text, pos)
+        if cut <= prev:
+            m = _SENTENCE_END.search(text, pos)
+            if m is None:
+                break
+            cut = m.end()
+        piece = text[prev:cut]
+        sep = "" if piece.endswith((" ", "\n")) else " "
+        out.append(f"{piece}{sep}{distractor_sentence(rng)} ")
+        prev = cut
+        pos = cut + every_chars
+    out.append(text[prev:])
+    return "".join(out)

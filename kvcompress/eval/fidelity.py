@@ -19,7 +19,8 @@ import time
 import torch
 
 from ..validation import check_int, require
-from .caches import Recorder, compressed_copy, needs_of
+from .caches import Recorder, needs_of
+from .reconstruction import copy_for
 from .data import Haystack
 from .results import CellStore, cell_key
 from .runner import Grid, progress_bar
@@ -94,7 +95,7 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
                 rec.close()
             targets = ids[0, prefix + 1:]
             for method, budget in cells:
-                copy = compressed_copy(model, snap, configs[(method.label, budget)])
+                copy = copy_for(model, tokenizer, snap, configs[(method.label, budget)], chat=False)
                 copy.cache.enabled = False  # only the prefix is compressed
                 start = time.perf_counter()
                 try:
@@ -111,7 +112,8 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
                     "keep_max": round(copy.keep_max, 5), "keep_mean": round(copy.keep_mean, 5),
                     "budget_met": bool(copy.keep_max <= budget + 1e-9), "layers_met": copy.layers_met,
                     "prefill_s": round(rec.prefill_s, 4), "prefill_forwards": rec.forwards,
-                    "compress_s": round(copy.compress_s, 4), "decode_s": round(seconds, 4),
+                    "compress_s": round(copy.compress_s, 4), "reconstruct_s": round(copy.reconstruct_s, 4),
+                    "decode_s": round(seconds, 4),
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 })
                 bar.update(1)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..config import PipelineConfig, as_config
 from ..config import parse_overrides as parse_config_overrides
+from ..pipeline import Pipeline
 from ..presets import list_presets
 from ..validation import check_range, require
 
@@ -64,7 +65,8 @@ class Method:
         if added:
             label += ("," if rest else ":") + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(added.items()))
         method = cls(label=label, preset=preset.strip(), overrides=tuple(sorted(overrides.items())))
-        method.config(0.5)  # unknown presets and bad overrides fail here, before any model work
+        Pipeline(method.config(0.5))  # unknown presets, bad overrides and strategy params fail here,
+        # before any model work
         return method
 
     @property
@@ -102,7 +104,11 @@ def parse_methods(presets: str | None = None, methods=None, overrides=None,
     out, seen = [], set()
     for spec in specs:
         extra = None if spec.strip() == FULL else (overrides or None)
-        method = Method.parse(spec, extra)
+        try:
+            method = Method.parse(spec, extra)
+        except ValueError as exc:  # name the method (and the overrides applied to it)
+            added = "" if not extra else " with --override " + ",".join(f"{k}={v!r}" for k, v in extra.items())
+            raise ValueError(f"method {spec.strip()!r}{added}: {exc}") from None
         if method.label not in seen:
             seen.add(method.label)
             out.append(method)

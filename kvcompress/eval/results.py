@@ -42,9 +42,10 @@ class CellStore:
                     f"a directory of a run with the same settings (these differ: "
                     f"{', '.join(f'{k}: {old.get(k)!r} -> {signature.get(k)!r}' for k in diff)}); use another --out")
         else:
-            run_path.write_text(json.dumps(signature, indent=2) + "\n")
+            _write_atomic(run_path, json.dumps(signature, indent=2) + "\n")
         self.records: dict[str, dict] = {}
         if self.path.exists():
+            self._repair_tail()
             for line in self.path.read_text().splitlines():
                 line = line.strip()
                 if not line:
@@ -52,19 +53,58 @@ class CellStore:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line cut by an interrupted write: that cell runs again
-                self.records[rec["key"]] = rec
+                    continue  # a damaged line (not the last one): that cell runs again
+                if isinstance(rec, dict) and "key" in rec:
+                    self.records[rec["key"]] = rec
+
+    def _repair_tail(self) -> None:
+        """Drop a last line cut off by an interrupted write (no final newline), so the next record
+        starts on a line of its own; a complete last line that only lacks its newline gets one."""
+        with self.path.open("rb+") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            # find the start of the last line
+            block, pos = b"", size
+            while pos > 0 and b"\n" not in block:
+                step = min(4096, pos)
+                pos -= step
+                f.seek(pos)
+                block = f.read(step) + block
+            cut = block.rfind(b"\n")
+            start = pos + cut + 1 if cut >= 0 else 0
+            f.seek(start)
+            tail = f.read()
+            try:
+                json.loads(tail)
+                f.seek(size)
+                f.write(b"\n")  # a whole record: keep it
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                f.truncate(start)
+            f.flush()
+            os.fsync(f.fileno())
 
     def done(self, key: str) -> bool:
         return key in self.records
 
     def add(self, record: dict) -> None:
         require("key" in record, "record", sorted(record), "a dict with a 'key'")
+        line = json.dumps(record) + "\n"  # serialise first: a bad record writes nothing
         self.records[record["key"]] = record
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line)
             f.flush()
             os.fsync(f.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def machine_info() -> dict:
@@ -100,7 +140,7 @@ def aggregate(records: list[dict], by=("method", "budget", "protocol")) -> list[
             "compress_s": _mean([r.get("compress_s") for r in rs]),
             "decode_s": _mean([r.get("decode_s") for r in rs]),
         })
-        for extra in ("kl", "top1", "ppl_full", "ppl", "ppl_delta"):
+        for extra in ("kl", "top1", "ppl_full", "ppl", "ppl_delta", "lead", "lcs", "reconstruct_s", "prefill_s"):
             if any(extra in r for r in rs):
                 row[extra] = _mean([r.get(extra) for r in rs])
         # where the needle's value went (means over layers and heads, then samples)
@@ -120,7 +160,7 @@ def write_results(path: str | Path, meta: dict, records: list[dict], extra_group
     data = {"meta": meta, "machine": machine_info(), "aggregate": aggregate(records), "samples": records}
     for name, by in (extra_groups or {}).items():
         data[name] = aggregate(records, by)
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    _write_atomic(Path(path), json.dumps(data, indent=1) + "\n")
     return data
 
 

@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..validation import check_choice, require
-from .caches import Recorder, compressed_copy, needs_of
+from .caches import Recorder, needs_of
 from .data import token_span
 from .greedy import build_prompt, greedy, stop_ids
 from .methods import Method
+from .reconstruction import copy_for
 from .results import CellStore, cell_key
 from .scoring import score
 
@@ -81,7 +82,7 @@ def run_qa(model, tokenizer, samples: list, grid: Grid, store: CellStore, *, cha
     protect: name of a sample span to protect from merging and eviction in every layer and head
              (an oracle, e.g. "needle"); None protects nothing
     """
-    pending = {s.sample_id: [c for c in grid.cells() if not _finished(store, s, c)] for s in samples}
+    pending = pending_cells(samples, grid, store)
     total = sum(len(v) for v in pending.values())
     stop = stop_ids(tokenizer)
     bar = progress_bar(total, progress, "eval")
@@ -96,6 +97,11 @@ def run_qa(model, tokenizer, samples: list, grid: Grid, store: CellStore, *, cha
         bar.close()
     keys = [cell_key(s.sample_id, m.label, b, p) for s in samples for m, b, p in grid.cells()]
     return [store.records[k] for k in keys if k in store.records]
+
+
+def pending_cells(samples: list, grid: Grid, store: CellStore) -> dict:
+    """{sample id: [(method, budget, protocol), ...]} of the cells still to run."""
+    return {s.sample_id: [c for c in grid.cells() if not _finished(store, s, c)] for s in samples}
 
 
 def prompt_hash(sample: QASample) -> str:
@@ -138,7 +144,8 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
     for method, budget, protocol in cells:
         snap = snaps[protocol]
         cfg = configs[(method.label, budget)]
-        copy = compressed_copy(model, snap, cfg, protect=[spans[protect]] if protect else (), marks=spans)
+        copy = copy_for(model, tokenizer, snap, cfg, chat=prompt.chat, protect=[spans[protect]] if protect else (),
+                        marks=spans)
         first = prompt.tail if protocol == "agnostic" else prompt.aware_last()
         try:
             new, decode_s = greedy(model, copy.cache, first, max_new_tokens, stop)
@@ -150,19 +157,29 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
             "key": cell_key(sample.sample_id, method.label, budget, protocol),
             "task": sample.task, "sample_id": sample.sample_id, "method": method.label, "preset": method.preset,
             "overrides": dict(method.overrides), "budget": budget, "protocol": protocol,
-            **sample.meta,
             "context_tokens": context_tokens, "compressed_tokens": snap.num_tokens,
             "expected": list(sample.answers), "answer": answer, **scores, "prompt_sha": prompt_hash(sample),
             "keep_max": round(copy.keep_max, 5), "keep_mean": round(copy.keep_mean, 5),
             "budget_met": bool(copy.keep_max <= budget + 1e-9), "layers_met": copy.layers_met,
             "protected": protect, "trace": copy.trace,
             "prefill_s": round(prefill_s, 4), "prefill_forwards": forwards,
-            "compress_s": round(copy.compress_s, 4), "decode_s": round(decode_s, 4), "new_tokens": len(new),
+            "compress_s": round(copy.compress_s, 4), "reconstruct_s": round(copy.reconstruct_s, 4), "decode_s": round(decode_s, 4), "new_tokens": len(new),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        store.add(record)
+        store.add(with_sample_meta(record, sample.meta))
         bar.update(1)
         bar.set_postfix_str(f"{method.label[:24]}@{budget:g}/{protocol}: {'hit' if scores['hit'] else 'miss'}")
+
+
+def with_sample_meta(record: dict, meta: dict) -> dict:
+    """The record with the sample's grid coordinates (length, depth, ...) added; a sample field
+    named like one of the runner's (``key``, ``budget``, ...) never replaces it: it is kept under
+    ``sample_meta``."""
+    clash = {k: v for k, v in meta.items() if k in record}
+    out = {**{k: v for k, v in meta.items() if k not in record}, **record}
+    if clash:
+        out["sample_meta"] = clash
+    return out
 
 
 def count_context_tokens(prompt) -> int:

@@ -54,3 +54,5 @@ def get_preset(name: str, **overrides) -> PipelineConfig:
 from . import semanticache  # noqa: E402,F401  (built-in presets)
 from . import centroidkv  # noqa: E402,F401
 from . import baselines  # noqa: E402,F401
+from . import fitted  # noqa: E402,F401  (issue 14)
+from . import importance  # noqa: E402,F401

@@ -100,19 +100,29 @@ def delimiter_mask(state: KVState, delimiters: tuple[str, ...], delimiter_ids=No
     return table[ids.clamp(min=0, max=table.numel() - 1)] & inside
 
 
+ANCHOR_MODES = ("keep", "merge")
+
+
 @register_chunker("delimiter")
 @dataclass(frozen=True)
 class DelimiterChunker:
     """SemantiCache's semantic chunks: runs of tokens between delimiter tokens.
 
-    Delimiter tokens become anchors (chunk id -1: never merged); every run between two anchors
-    is one chunk. Protected slots are left out but do not split a run.
+    anchors="keep" (the paper): delimiter tokens become anchors (chunk id -1: never merged); every
+    run between two anchors is one chunk. Protected slots are left out but do not split a run.
+    Anchors and one slot per chunk floor the cache (keep ~0.28 on English prose).
+    anchors="merge": no anchors; a delimiter joins the run it ends, and adjacent delimiters
+    (".\n\n", ", ") join one run, so a chunk is a clause with its punctuation and the floor is one
+    slot per clause. The clusterer decides which members merge (GSC: the most similar keys
+    first), delimiters included. SemantiCache uses it as its ``fallback_chunker``: only for heads
+    whose budget the anchors put out of reach.
     delimiters:    substrings that make a token a delimiter (default . , ? ! newline tab)
     delimiter_ids: optional explicit token ids instead of the text lookup
     """
 
     delimiters: tuple[str, ...] = DEFAULT_DELIMITERS
     delimiter_ids: tuple[int, ...] | None = None
+    anchors: str = "keep"
     append_monotone = True  # an appended token is an anchor, or opens or joins the last run
 
     def __post_init__(self):
@@ -123,9 +133,12 @@ class DelimiterChunker:
         object.__setattr__(self, "delimiters", tuple(delims))
         if self.delimiter_ids is not None:
             object.__setattr__(self, "delimiter_ids", tuple(int(i) for i in self.delimiter_ids))
+        check_choice("anchors", self.anchors, ANCHOR_MODES)
 
-    def anchors(self, state: KVState, protected: Tensor) -> Tensor:
-        """[B, H, N] bool: delimiter slots that are not otherwise protected."""
+    def anchors_mask(self, state: KVState, protected: Tensor) -> Tensor:
+        """[B, H, N] bool: delimiter slots that are not otherwise protected (none with anchors="merge")."""
+        if self.anchors == "merge":
+            return torch.zeros_like(state.valid)
         return delimiter_mask(state, self.delimiters, self.delimiter_ids) & clusterable(state, protected)
 
     def open_tail_start(self, state: KVState, frontier: Tensor, window_start: Tensor) -> Tensor | None:
@@ -141,7 +154,16 @@ class DelimiterChunker:
         return torch.where(last >= 0, last + 1, frontier)
 
     def __call__(self, state: KVState, protected: Tensor) -> Tensor:
-        anchor = delimiter_mask(state, self.delimiters, self.delimiter_ids) & state.valid
-        ids = anchor.long().cumsum(-1)  # a new chunk starts after every delimiter
-        free = clusterable(state, protected) & ~anchor
-        return torch.where(free, ids, -1)
+        delim = delimiter_mask(state, self.delimiters, self.delimiter_ids) & state.valid
+        free = clusterable(state, protected)
+        if self.anchors == "keep":
+            ids = delim.long().cumsum(-1)  # a new chunk starts after every delimiter
+            return torch.where(free & ~delim, ids, -1)
+        # a run opens at a non-delimiter whose previous valid slot is a delimiter
+        N = state.valid.shape[-1]
+        slot = torch.arange(N, device=delim.device).expand_as(delim)
+        last_valid = torch.where(state.valid, slot, -1).cummax(-1).values  # [B, H, N]
+        before = torch.cat([torch.full_like(last_valid[..., :1], -1), last_valid[..., :-1]], dim=-1)
+        prev_delim = delim.gather(-1, before.clamp(min=0)) & (before >= 0)
+        opens = state.valid & ~delim & prev_delim
+        return torch.where(free, opens.long().cumsum(-1), -1)

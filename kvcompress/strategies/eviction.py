@@ -15,10 +15,12 @@ import torch
 from torch import Tensor
 
 from ..config import StrategySpec
-from ..protocols import ClusterPlan
+from ..protocols import ClusterPlan, Needs, needs_of
 from ..registry import SCORERS, register_clusterer, register_merger
 from ..types import KVState
-from ..validation import check_range, require
+from ..validation import check_choice, check_range, require
+
+HEAD_BUDGETS = ("uniform", "adaptive")
 
 _FINITE_MIN = torch.finfo(torch.float32).min
 
@@ -44,17 +46,24 @@ def free_quota(state: KVState, free: Tensor, target: Tensor) -> Tensor:
     return (target.to(fixed.device) - fixed).clamp(min=0)
 
 
-def select_kept(state: KVState, free: Tensor, target: Tensor, scores: Tensor, recent_share: float) -> Tensor:
+def select_kept(state: KVState, free: Tensor, target: Tensor, scores: Tensor, recent_share: float,
+                head_budget: str = "uniform", head_floor: float = 0.2) -> Tensor:
     """[B, H, N] bool: the clusterable slots to keep.
 
     free:   [B, H, N] bool clusterable slots (valid, not protected, in a chunk)
     target: [B, H] long slots per head; scores: [B, H, N] (higher = keep)
-    The most recent floor(quota * recent_share) free slots are kept first, then the best-scored.
+    The most recent floor(quota * recent_share) free slots are kept first, then the best-scored:
+    per head ("uniform"), or by one top-k over all heads of the layer ("adaptive", Ada-KV: the
+    per-head counts differ and sum to the layer's budget; see importance.adaptive_keep).
     """
     quota = free_quota(state, free, target)[..., None]  # [B, H, 1]
     n_recent = torch.floor(quota.double() * recent_share + 1e-9).long()
     keep = free & (rank_desc(state.positions, free) < n_recent)
     rest = free & ~keep
+    if head_budget == "adaptive":
+        from .importance import adaptive_keep
+
+        return keep | adaptive_keep(scores, rest, (quota - n_recent)[..., 0], head_floor)
     return keep | (rest & (rank_desc(scores, rest) < quota - n_recent))
 
 
@@ -82,6 +91,11 @@ class EvictClusterer:
     scorer:       a registered scorer: name, {"name", "params"} or StrategySpec (default "knorm")
     recent_share: fraction in [0, 1] of the kept clusterable slots reserved for the most recent
                   ones before the scorer picks the rest (H2O: 0.5)
+    head_budget:  "uniform" (every head keeps its target) or "adaptive" (Ada-KV: one top-k over
+                  all heads of a layer; per-head counts differ, their sum is the layer's budget;
+                  the layer tensor is padded to its longest head, so real memory is that head's
+                  count times the heads)
+    head_floor:   with "adaptive", the share of its uniform quota every head keeps first
 
     Each head keeps exactly its target when it holds enough clusterable slots: target minus its
     protected slots and anchors. One round; ties go to the earlier slot.
@@ -89,6 +103,8 @@ class EvictClusterer:
 
     scorer: Any = "knorm"
     recent_share: float = 0.0
+    head_budget: str = "uniform"
+    head_floor: float = 0.2
     _scorer: Any = field(init=False, repr=False, compare=False)
 
     # decoding re-scores every slot: scores (accumulated attention, recency) change as tokens arrive
@@ -98,7 +114,18 @@ class EvictClusterer:
         spec = as_spec(self.scorer, "scorer")
         object.__setattr__(self, "scorer", spec)
         check_range("recent_share", self.recent_share, 0.0, 1.0)
+        check_choice("head_budget", self.head_budget, HEAD_BUDGETS)
+        check_range("head_floor", self.head_floor, 0.0, 1.0)
         object.__setattr__(self, "_scorer", make_scorer(spec))
+
+    @property
+    def budget_scope(self) -> str:
+        """"layer" when per-head counts may differ (the budget is met by their sum), else "head"."""
+        return "layer" if self.head_budget == "adaptive" else "head"
+
+    @property
+    def needs(self) -> Needs:
+        return needs_of(self._scorer)
 
     def min_slots(self, valid: Tensor, chunk_ids: Tensor) -> Tensor:
         """[B, H] long: the fewest slots one call can reach: every clusterable slot may go, so
@@ -112,7 +139,7 @@ class EvictClusterer:
             scores = torch.zeros_like(state.log_sizes)
         else:
             scores = checked_scores(self._scorer, self.scorer, state)
-        return free, select_kept(state, free, target, scores, self.recent_share)
+        return free, select_kept(state, free, target, scores, self.recent_share, self.head_budget, self.head_floor)
 
     def __call__(self, state: KVState, chunk_ids: Tensor, target: Tensor, round_idx: int = 0) -> ClusterPlan:
         free, keep = self.kept_free(state, chunk_ids, target)

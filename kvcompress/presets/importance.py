@@ -1,0 +1,75 @@
+"""Question-free importance presets: KVzip eviction (and Ada-KV), and importance-guided merging.
+
+Every preset here reads the ``reconstruction`` statistic, which a model pass after the prefill
+writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot run them.
+
+- ``kvzip``: eviction by reconstruction scores per (layer, KV head) (Kim et al., arXiv 2505.23416);
+- ``kvzip-adakv``: the same with Ada-KV per-head budgets (one top-k over the heads of a layer);
+- ``kvzip-sentences``: whole sentences ranked by reconstruction importance summed over all layers
+  and heads, the same in every head and layer, up to the whole budget; what is left goes to the
+  best tokens per head (eviction);
+- ``kvzip-gsc`` / ``kvzip-csm``: the sentences take ``IMPORTANT_SHARE`` of the
+  budget and stay exact; the rest of the cache is merged by GSC (fixed 64-token chunks, mean
+  merge) or CSM (degree-weighted), with proportional attention.
+"""
+
+from ..config import PipelineConfig, StrategySpec
+from . import register_preset
+from .centroidkv import CENTROIDKV_SCHEDULE
+from .semanticache import SEMANTICACHE_RECENT, SEMANTICACHE_SINKS
+
+KVZIP_SINKS = 4  # the reconstruction scores rank sinks high anyway; a few are kept by rule
+IMPORTANT_SHARE = 0.5  # share of the budget the importance guard's sentences may take when merging
+SCORER = {"name": "reconstruction"}
+
+
+def importance_guard(share: float = IMPORTANT_SHARE) -> StrategySpec:
+    return StrategySpec("importance", {"share": share})
+
+
+def _kvzip(name: str, **clusterer) -> PipelineConfig:
+    return PipelineConfig(
+        name=name, keep_ratio=0.5, sinks=KVZIP_SINKS, recent=0, chunker=StrategySpec("global"),
+        clusterer=StrategySpec("evict", {"scorer": SCORER, **clusterer}), merger=StrategySpec("mean"),
+    )
+
+
+@register_preset("kvzip")
+def kvzip() -> PipelineConfig:
+    """KVzip: keep, per layer and KV head, the slots the reconstruction queries attend to most."""
+    return _kvzip("kvzip")
+
+
+@register_preset("kvzip-adakv")
+def kvzip_adakv() -> PipelineConfig:
+    """KVzip with Ada-KV per-head budgets: the budget is met per layer (sum over heads); the
+    layer tensor is padded to its longest head, so real memory can exceed the budget."""
+    return _kvzip("kvzip-adakv", head_budget="adaptive").replace(on_infeasible="best_effort")
+
+
+@register_preset("kvzip-sentences")
+def kvzip_sentences() -> PipelineConfig:
+    """Whole sentences by reconstruction importance (all layers and heads), up to the whole budget;
+    the rest by per-head reconstruction eviction."""
+    return _kvzip("kvzip-sentences").replace(guards=(importance_guard(1.0),))
+
+
+@register_preset("kvzip-gsc")
+def kvzip_gsc() -> PipelineConfig:
+    """SemantiCache merging (GSC on fixed 64-token chunks, mean merge, proportional attention)
+    with the important sentences exact."""
+    return PipelineConfig(
+        name="kvzip-gsc", keep_ratio=0.5, sinks=SEMANTICACHE_SINKS, recent=SEMANTICACHE_RECENT,
+        chunker=StrategySpec("fixed", {"size": 64}), clusterer=StrategySpec("gsc"), merger=StrategySpec("mean"),
+        guards=(importance_guard(),),
+    )
+
+
+@register_preset("kvzip-csm")
+def kvzip_csm() -> PipelineConfig:
+    """CentroidKV merging (CSM, degree-weighted) with the important sentences exact."""
+    return PipelineConfig(
+        name="kvzip-csm", keep_ratio=0.5, sinks=SEMANTICACHE_SINKS, recent=SEMANTICACHE_RECENT,
+        chunker=StrategySpec("csm", {"size": 256}), clusterer=StrategySpec("csm", dict(CENTROIDKV_SCHEDULE)),
+        merger=StrategySpec("degree"), guards=(importance_guard(),),
+    )

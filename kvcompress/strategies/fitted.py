@@ -1,0 +1,144 @@
+"""The ``fitted`` merger: merged slots whose bias and value reproduce the cluster's attention.
+
+Any clusterer's plan works (GSC, CSM, the eviction-based ones). The plan is applied by the mean
+merger first (positions, protection, sizes, per-slot statistics: all the bookkeeping, unchanged);
+then every cluster of two or more members whose keys differ gets its attention bias and value
+(and, with ``key="attention"``, its key) fitted against reference queries of the layer, see
+``kvcompress.strategies.fitting``. Singletons and clusters of identical keys keep the mean
+merger's numbers bit for bit (proportional attention is exact for them).
+
+A fitted slot with bias beta behaves in attention like exp(beta) copies of itself, which is how a
+later round or a decode-time compression treats it: the fit only ever reads the bias.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..protocols import Needs
+from ..registry import register_merger
+from ..types import KVState
+from ..validation import check_choice, check_int, check_range, require
+from .fitting import fit_clusters
+from .mergers import apply_merge_plan, is_identity_plan
+
+REFERENCE_QUERIES = "reference_queries"  # extras: [B, Hq, R, D] strided prefill queries (rotated)
+RECONSTRUCTION_QUERIES = "reconstruction_queries"  # extras: [B, Hq, R, D] from the reconstruction pass
+QUERY_SOURCES = {
+    "prefill": (REFERENCE_QUERIES,),
+    "reconstruction": (RECONSTRUCTION_QUERIES,),
+    "both": (REFERENCE_QUERIES, RECONSTRUCTION_QUERIES),
+}
+_HOW = {
+    REFERENCE_QUERIES: "give the merger reference_queries > 0 (its `needs` asks the cache to record "
+                       "a strided sample of each layer's prefill queries)",
+    RECONSTRUCTION_QUERIES: "put the reconstruction scorer (issue 18) in the pipeline, which records "
+                            "the queries of its repeat-the-context pass",
+}
+KEY_MODES = ("mean", "attention")
+
+
+def cluster_index(parent: Tensor) -> Tensor:
+    """[B, H, N] long: the output slot of each slot under ``parent`` (as apply_merge_plan orders
+    them: representatives in slot order), -1 for dropped slots."""
+    slot = torch.arange(parent.shape[-1], device=parent.device)
+    out_index = (parent == slot).long().cumsum(-1) - 1
+    return torch.where(parent >= 0, out_index.gather(-1, parent.clamp(min=0)), -1)
+
+
+def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted merger") -> Tensor:
+    """The reference queries of ``names`` in extras, concatenated and grouped by KV head:
+    [B, Hq, R, D] -> [B, H, G * R, D] (query head h * G + g belongs to KV head h)."""
+    B, H, _, D = state.keys.shape
+    parts = []
+    for name in names:
+        q = state.extras.get(name)
+        require(q is not None, f"{who}: state.extras[{name!r}]", None,
+                f"the reference queries [B, Hq, R, D] of the layer: {_HOW[name]}")
+        require(isinstance(q, Tensor) and q.dim() == 4 and q.shape[0] == B and q.shape[3] == D
+                and q.shape[1] % H == 0 and q.shape[2] >= 1, f"{who}: state.extras[{name!r}]",
+                tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__,
+                f"a tensor [B={B}, Hq (a multiple of {H}), R >= 1, D={D}]")
+        parts.append(q.reshape(B, H, -1, D))
+    return torch.cat(parts, dim=2).to(state.keys.device)
+
+
+@register_merger("fitted")
+@dataclass(frozen=True)
+class FittedMerger:
+    """Fit each merged slot's attention bias and value (optionally key) to its cluster.
+
+    queries:           "prefill" (extras["reference_queries"]), "reconstruction"
+                       (extras["reconstruction_queries"]) or "both"
+    reference_queries: R, prefill queries the cache records per layer (strided, last included)
+    key:               "mean" (the size-weighted mean key) or "attention" (weighted by the
+                       attention the reference queries pay to each member)
+    power:             a query's weight is the cluster's share of its attention row ** power
+    ridge:             pseudo-queries of the proportional answer the fit shrinks toward
+    scale:             logit scale; None = 1/sqrt(head_dim)
+    """
+
+    queries: str = "prefill"
+    reference_queries: int = 64
+    key: str = "attention"
+    power: float = 1.0
+    ridge: float = 1.0
+    scale: float | None = None
+
+    def __post_init__(self):
+        check_choice("queries", self.queries, tuple(QUERY_SOURCES))
+        check_int("reference_queries", self.reference_queries, 1)
+        check_choice("key", self.key, KEY_MODES)
+        check_range("power", self.power, 0.0, 8.0)
+        check_range("ridge", self.ridge, 0.0, 1e6)
+        if self.scale is not None:
+            check_range("scale", self.scale, 0.0, 1e3, lo_open=True)
+
+    @property
+    def needs(self) -> Needs:
+        """Prefill reference queries when they are used (the reconstruction scorer records its own)."""
+        return Needs(reference_queries=self.reference_queries if self.queries != "reconstruction" else 0)
+
+    def __call__(self, state: KVState, parent: Tensor) -> KVState:
+        if is_identity_plan(state, parent):
+            return state
+        queries = grouped_queries(state, QUERY_SOURCES[self.queries])
+        # the proportional prior weighs a slot by its attention bias (a slot of bias beta is
+        # exp(beta) copies for attention), not by its token count: the two differ once fitted
+        merged = apply_merge_plan(state.replace(counts=None), parent)
+        cluster = cluster_index(parent)
+        B, H, M = merged.log_sizes.shape
+        N = state.num_slots
+        rows = B * H
+        dev = parent.device
+        flat = (torch.arange(rows, device=dev)[:, None] * (M + 1)
+                + torch.where(cluster >= 0, cluster, M).reshape(rows, N)).reshape(-1)
+
+        def per_cluster(x: Tensor) -> Tensor:  # [B, H, N] -> summed over members [B, H, M]
+            return torch.zeros(rows * (M + 1), device=dev).index_add_(0, flat, x.reshape(-1)).view(B, H, M + 1)[:, :, :M]
+
+        # bookkeeping: token counts add up, whatever the bias becomes
+        counts = per_cluster(state.token_counts().masked_fill(cluster < 0, 0.0))
+        members = per_cluster((cluster >= 0).float())
+        # a cluster of identical keys is exact under proportional attention: keep it bit for bit
+        own_key = torch.cat([merged.keys, merged.keys.new_zeros(B, H, 1, state.head_dim)], 2)
+        own_key = own_key.gather(2, torch.where(cluster >= 0, cluster, M)[..., None].expand_as(state.keys))
+        spread = per_cluster(((state.keys != own_key).any(-1) & (cluster >= 0)).float())
+        fit = (members >= 2) & (spread > 0)  # [B, H, M]
+        if not bool(fit.any()):
+            return merged.replace(counts=counts)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
+        res = fit_clusters(
+            state.keys, state.values, state.log_sizes, cluster, queries,
+            merged.keys, merged.values, merged.log_sizes,
+            scale=scale, power=self.power, ridge=self.ridge, key=self.key,
+        )
+        sel = fit[..., None]
+        keys = torch.where(sel, res.keys.to(state.keys.dtype), merged.keys)
+        values = torch.where(sel, res.values.to(state.values.dtype), merged.values)
+        log_sizes = torch.where(fit, res.bias, merged.log_sizes)
+        return merged.replace(keys=keys, values=values, log_sizes=log_sizes.contiguous(), counts=counts)

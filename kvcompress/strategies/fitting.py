@@ -1,0 +1,169 @@
+"""Fitting a merged slot to its cluster's attention over reference queries (pure tensor math).
+
+For a cluster C, a query q and the slots' scaled logits s_i = q.k_i * scale + b_i (b = the slots'
+attention bias, ``log_sizes``), the cluster's exact contribution to the attention row is a mass
+m = sum_i exp(s_i) and a numerator m * o with o = softmax(s)_C . V_C. One merged slot (k, beta, v)
+contributes exp(q.k * scale + beta) and that times v. Proportional attention (the mean key and
+value, beta = log sum_i exp(b_i)) is exact only when the members' keys are equal: by Jensen's
+inequality it under-states the mass for every query otherwise.
+
+Per cluster, over the P reference queries of its KV head (R queries x G query heads):
+
+* bias:  beta = the weighted mean over queries of log m_r - q_r.k * scale (the log-space least
+  squares answer), the weight of query r being the cluster's share a_r = m_r / Z_r of that query's
+  attention row raised to ``power`` (errors in a row's output scale with the share);
+* value: with the fitted mass m'_r, the row output is exact for query r when
+  v = rho_r o_r + (1 - rho_r) O_r (rho_r = m_r / m'_r, O_r the full row's output), an error of
+  a'_r (v - target_r) otherwise (a'_r the slot's share of the refitted row). The least-squares v
+  is the a'^power-weighted mean of those targets, i.e. a weighted mean of the members' values plus
+  a weighted mean of the rows' outputs: no [P, M, D] tensor is ever formed.
+* key (optional, ``key="attention"``): the members' keys weighted by the attention they receive
+  from the weighted queries (the average gradient of the cluster's log-mass, which is the least-
+  squares slope for Gaussian-like queries), then beta refitted for it.
+
+Both fits shrink toward the proportional answer (mean value, beta = log sum exp(b)) with
+``ridge`` pseudo-queries against the weights' effective number of queries, so a cluster no
+reference query looks at keeps the proportional answer. Everything is computed in float32 on
+flat [rows, P] tensors with index_add / index_reduce over members: no loop per slot or head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+# |log(m / m')| above which a query's value target is clipped: a linear logit cannot follow the
+# cluster's log-mass that far, and extrapolating values from such queries only adds noise
+MAX_LOG_RATIO = 4.0
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Fitted slots, one row per output slot of the merge ([B, H, M, ...]).
+
+    keys, values: [B, H, M, D] float32
+    bias:         [B, H, M] float32
+    n_eff:        [B, H, M] float32, effective number of reference queries behind the bias fit
+    """
+
+    keys: Tensor
+    values: Tensor
+    bias: Tensor
+    n_eff: Tensor
+
+
+def _log_weights(log_share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row query weights from log shares [R, P]: normalised to max 1 in log space.
+
+    returns w [R, P] (0 where the share is 0), W = sum w [R], n_eff = W^2 / sum w^2 [R] (0 if W = 0)
+    """
+    lw = power * log_share
+    top = lw.amax(-1, keepdim=True)
+    w = torch.where(top > NEG_INF, (lw - top.clamp(min=-1e30)).exp(), torch.zeros_like(lw))
+    total = w.sum(-1)
+    n_eff = torch.where(total > 0, total.square() / w.square().sum(-1).clamp(min=1e-30), torch.zeros_like(total))
+    return w, total, n_eff
+
+
+def _shrink(n_eff: Tensor, ridge: float) -> Tensor:
+    """Share of the prior in a ridge fit with ``ridge`` pseudo-queries: ridge / (n_eff + ridge)."""
+    if ridge == 0:
+        return (n_eff == 0).float()
+    return ridge / (n_eff + ridge)
+
+
+def fit_clusters(
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    cluster: Tensor,
+    queries: Tensor,
+    prior_keys: Tensor,
+    prior_values: Tensor,
+    prior_bias: Tensor,
+    *,
+    scale: float,
+    power: float = 1.0,
+    ridge: float = 1.0,
+    key: str = "mean",
+) -> FitResult:
+    """Fit one slot per cluster to the cluster's attention over reference queries.
+
+    keys, values: [B, H, N, D] the slots before merging (any float dtype; math in float32)
+    bias:         [B, H, N] float32, their attention bias (-inf = padding)
+    cluster:      [B, H, N] long, output slot in [0, M) of each slot; -1 = dropped or padding
+                  (it still counts in the attention rows, as in the cache being compressed)
+    queries:      [B, H, P, D] reference queries grouped by KV head (rotated, unscaled)
+    prior_*:      [B, H, M, D] / [B, H, M] the proportional answer (mean key and value, log sum of
+                  sizes) the fit shrinks toward; prior_keys are the keys attention will use
+                  with key="mean"
+    scale:        logit scale (1/sqrt(D) for most models)
+    """
+    B, H, N, D = keys.shape
+    M = prior_bias.shape[-1]
+    P = queries.shape[2]
+    dev = keys.device
+    rows = B * H
+    q = queries.float()
+    k32, v32 = keys.float(), values.float()
+
+    # logits of every slot for every query, one row per slot: [B*H*N, P]
+    s = torch.einsum("bhnd,bhpd->bhnp", k32, q).mul_(scale).add_(bias[..., None])
+    log_z = torch.logsumexp(s, dim=2)  # [B, H, P] the full rows' log-mass
+    s_flat = s.reshape(rows * N, P)
+
+    # flat cluster row of every slot; dropped slots and padding go to a dummy row per head
+    cl = torch.where(cluster >= 0, cluster, M)
+    flat = (torch.arange(rows, device=dev)[:, None] * (M + 1) + cl.reshape(rows, N)).reshape(-1)  # [B*H*N]
+    top = s_flat.new_full((rows * (M + 1), P), NEG_INF).index_reduce_(0, flat, s_flat, "amax")
+    shift = top.index_select(0, flat)
+    e = (s_flat - torch.where(shift > NEG_INF, shift, 0.0)).exp_()  # [B*H*N, P] in [0, 1]
+    mass = s_flat.new_zeros(rows * (M + 1), P).index_add_(0, flat, e)  # >= 1 where top is finite
+    log_mass = (top + mass.log()).view(B, H, M + 1, P)[:, :, :M]  # [B, H, M, P] log m, -inf if unseen
+    # each member's share of its cluster's mass, per query: p_ir = e_ir / mass_r
+    member_p = e / mass.index_select(0, flat).clamp(min=1e-30)
+
+    log_share = torch.where(log_z[:, :, None] > NEG_INF, log_mass - log_z[:, :, None], NEG_INF)
+    log_share = log_share.clamp(max=0.0)
+    w, w_sum, n_eff = _log_weights(log_share, power)  # [B, H, M, P]
+    alpha = _shrink(n_eff, ridge)  # [B, H, M]
+    seen = log_mass > NEG_INF
+
+    def member_mean(coef: Tensor, x: Tensor) -> Tensor:
+        """sum_i (sum_r coef[cl(i), r] p_ir) x_i per cluster: coef [B, H, M, P], x [B, H, N, E]."""
+        c = torch.cat([coef, coef.new_zeros(B, H, 1, P)], dim=2).reshape(rows * (M + 1), P)
+        u = (c.index_select(0, flat) * member_p).sum(-1, keepdim=True)  # [B*H*N, 1]
+        out = x.new_zeros(rows * (M + 1), x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
+        return out.view(B, H, M + 1, -1)[:, :, :M]
+
+    norm = (w / w_sum[..., None].clamp(min=1e-30))  # [B, H, M, P], rows sum to 1 (or 0)
+    slot_keys = prior_keys.float()
+    if key == "attention":
+        fitted = member_mean(norm, k32)
+        # attention sees the key in the cache's dtype: fit the bias to that key
+        slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
+
+    t0 = torch.einsum("bhmd,bhpd->bhmp", slot_keys, q) * scale  # the merged slot's logit, bias aside
+    y = torch.where(seen, log_mass - t0, 0.0)
+    beta_fit = (norm * y).sum(-1)
+    beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
+
+    # values: targets rho o_r + (1 - rho) O_r, weighted by the refitted shares a'_r ** power
+    log_rho = torch.where(seen, (y - beta[..., None]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0.0)
+    rho = log_rho.exp()
+    x = log_share - log_rho  # log m'_r / Z_r
+    rest = torch.log1p(-log_share.exp().clamp(max=1.0))  # log (Z_r - m_r) / Z_r
+    log_share2 = torch.where(seen, x - torch.logaddexp(rest, x), NEG_INF)
+    w2, w2_sum, n_eff2 = _log_weights(log_share2, power)
+    alpha_v = _shrink(n_eff2, ridge)
+    norm2 = w2 / w2_sum[..., None].clamp(min=1e-30)
+    # the full rows' outputs O_r [B, H, P, D]
+    probs = torch.softmax(s, dim=2).nan_to_num_(0.0)  # a row of padding only: no output
+    row_out = torch.einsum("bhnp,bhnd->bhpd", probs, v32)
+    value_fit = member_mean(norm2 * rho, v32) + torch.einsum("bhmp,bhpd->bhmd", norm2 * (1 - rho), row_out)
+    slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])
+    return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff)

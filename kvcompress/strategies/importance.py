@@ -1,0 +1,246 @@
+"""Question-free importance from the model itself: the reconstruction scorer, Ada-KV per-head
+budgets and the importance sentence guard.
+
+The statistic ``"reconstruction"`` ([B, H, N] float32 per slot, summed over members when slots
+merge) is written by the reconstruction pass (``kvcompress.hf.reconstruct``: the model reads a
+"repeat the previous context" prompt and the context again over the cache; a slot scores the
+largest attention any of those queries gives it, over the query heads of its KV group). Pure
+torch here: these strategies only read it.
+
+- scorer ``reconstruction``: that statistic (KVzip's score, with the ``evict`` clusterer);
+- ``adaptive_keep``: Ada-KV's selection, one top-k over all heads of a layer so that heads whose
+  importance is spread keep more (per-head budgets summing to the layer's budget);
+- guard ``importance``: whole sentences ranked by reconstruction importance summed over every
+  layer and head, kept exact in every head and layer (facts live in sentences; a number cut in
+  half in one head is lost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..registry import register_guard, register_scorer
+from ..types import KVState
+from ..validation import check_choice, check_range, require
+from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_sum
+
+STAT = "reconstruction"
+REDUCES = ("mean", "sum", "max")
+
+
+def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> Tensor:
+    """[B, H, N] float32: the state's reconstruction statistic; a ValueError saying how to get it."""
+    stats = getattr(state, "stats", None)
+    x = stats.get(STAT) if isinstance(stats, dict) else None
+    if x is None:
+        x = state.extras.get(STAT)
+    require(x is not None, f"{who}: state.stats[{STAT!r}]", None,
+            "reconstruction scores of the layer: they come from a model pass after the prefill "
+            "(kvcompress.hf.reconstruct; a CompressedCache bound to the model runs it); a pipeline used "
+            "without model access cannot compute them")
+    require(isinstance(x, Tensor) and tuple(x.shape) == tuple(state.log_sizes.shape), f"{who}: {STAT}",
+            tuple(getattr(x, "shape", ())), f"a [B, H, N] tensor of shape {tuple(state.log_sizes.shape)}")
+    return x.float()
+
+
+def _model_pass_needs():
+    """Needs(model_pass=True) when the core declares it (the contract of the transformers
+    integration), else None."""
+    try:
+        from ..protocols import Needs  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        return Needs(model_pass=True)
+    except TypeError:
+        return None
+
+
+@register_scorer("reconstruction")
+@dataclass(frozen=True)
+class ReconstructionScorer:
+    """KVzip's importance: the largest attention a slot receives from the queries of a
+    context-reconstruction pass (max over the query heads of its KV group). A merged slot scores
+    the sum of its members' scores. Needs the model pass (``needs.model_pass``)."""
+
+    @property
+    def needs(self):
+        return _model_pass_needs()
+
+    requires_model_pass = True
+
+    def __call__(self, state: KVState) -> Tensor:
+        return reconstruction_stat(state)
+
+
+# ---------------------------------------------------------------------------- Ada-KV
+def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float = 0.2) -> Tensor:
+    """[B, H, N] bool: Ada-KV's per-head budgets, one top-k over all heads of a layer.
+
+    scores: [B, H, N] (higher = keep); free: [B, H, N] bool candidates; quota: [B, H] long slots
+    each head would keep under a uniform budget. Each head first keeps its best
+    floor(quota * head_floor) candidates (Ada-KV's safeguard); the rest of the layer's budget,
+    sum_h quota - what the floors took, goes to the best remaining candidates of any head. The
+    kept count per (b, head) varies; its sum over heads equals sum_h quota (or every candidate,
+    when fewer).
+    """
+    from .eviction import rank_desc
+
+    check_range("head_floor", head_floor, 0.0, 1.0)
+    B, H, N = scores.shape
+    quota = quota.to(scores.device).long()
+    floor = torch.floor(quota.double() * head_floor + 1e-9).long()[..., None]  # [B, H, 1]
+    keep = free & (rank_desc(scores, free) < floor)
+    rest = free & ~keep
+    left = (quota.sum(-1) - keep.sum(dim=(1, 2))).clamp(min=0)  # [B]
+    ranks = rank_desc(scores.reshape(B, 1, H * N), rest.reshape(B, 1, H * N)).view(B, H, N)
+    return keep | (rest & (ranks < left[:, None, None]))
+
+
+# ---------------------------------------------------------------------------- the sentence guard
+@register_guard("importance")
+class ImportanceGuard:
+    """Keep whole sentences exact, ranked by reconstruction importance, the same in every head and layer.
+
+    share:  fraction of the budget left after sinks and the recent window that the chosen
+            sentences may take
+    token_share: fraction of that budget that each (layer, KV head) gives to its own best tokens
+            by reconstruction score (KVzip's per-head choice), on top of the sentences
+    window_share: fraction of that budget that each (layer, KV head) gives to the tokens the last
+            prompt queries attend to most (SnapKV's score, kernel 7; needs query_window > 0), after
+            the sentences and the per-head tokens: what the text right before the next input needs
+    reduce: a sentence's score from its tokens' importance (importance of a token = its
+            reconstruction score summed over every layer and KV head): "mean" (importance per
+            token of budget spent), "sum" or "max"
+    ends:   characters that end a sentence
+
+    Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
+    window) fit the allowance; a sentence too long for what is left is skipped. Decided once per
+    sequence from every layer (``cross_layer``) and remembered by the cache (``persistent``).
+    """
+
+    cross_layer = True
+    persistent = True
+    requires_model_pass = True
+
+    def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
+                 window_share: float = 0.0, ends: Sequence[str] = SENTENCE_ENDS):
+        check_range("share", share, 0.0, 1.0)
+        check_range("token_share", token_share, 0.0, 1.0)
+        check_range("window_share", window_share, 0.0, 1.0)
+        require(share + token_share + window_share <= 1.0 + 1e-9, "token_share", token_share,
+                f"at most 1 - share - window_share = {1.0 - share - window_share:g} (one budget for all three)")
+        self.token_share, self.window_share = float(token_share), float(window_share)
+        self._window: Tensor | None = None
+        self._tokens: Tensor | None = None  # [B] tokens per head given to the per-head choice
+        check_choice("reduce", reduce, REDUCES)
+        ends = tuple(ends)
+        require(len(ends) > 0 and all(isinstance(e, str) and e for e in ends), "ends", ends,
+                "non-empty strings that end a sentence")
+        self.share, self.reduce, self.ends = float(share), reduce, ends
+        self._ids: Tensor | None = None
+        self._keep: Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share})"
+
+    @property
+    def needs(self):
+        return _model_pass_needs()
+
+    def prepared_for(self, state: KVState) -> bool:
+        ids = self._ids
+        if ids is None or state.token_ids is None or state.token_ids.shape[0] != ids.shape[0]:
+            return False
+        if state.token_ids.shape[1] < ids.shape[1]:
+            return False
+        return bool(torch.equal(state.token_ids[:, : ids.shape[1]].to(ids.device), ids))
+
+    def prepare(self, states: Sequence[KVState], budget: Tensor, already: Tensor) -> None:
+        """states: one KVState per layer (same tokens, with the reconstruction statistic);
+        budget: [B] slots per head; already: [B, T] bool tokens protected anyway."""
+        first = states[0]
+        require(first.token_ids is not None and first.vocab is not None, "state", "no token ids or vocab",
+                "token ids [B, T] and the vocabulary's token texts: sentences are cut at token text")
+        ids = first.token_ids[:, : first.num_tokens]
+        B, T = ids.shape
+        importance = token_importance(states, T)  # [B, T]
+        sid = sentence_ids(ids, first.vocab, self.ends)
+        num = int(sid.max()) + 1 if T else 1
+        free = (~already[:, :T].to(ids.device)).float()
+        lengths = sentence_sum(free, sid, num)
+        if self.reduce == "max":
+            score = importance.new_zeros(B, num).scatter_reduce_(-1, sid, importance, "amax", include_self=True)
+        else:
+            score = sentence_sum(importance, sid, num)
+            if self.reduce == "mean":
+                score = score / sentence_sum(torch.ones_like(importance), sid, num).clamp(min=1)
+        # the allowance is what the budget leaves after the slots protected anyway (sinks, recent)
+        room = (budget.to(ids.device) - (~free.bool()).sum(-1)).clamp(min=0)
+        allowance = torch.floor(room.to(torch.float64) * self.share).long()
+        chosen = select_sentences(score, lengths, allowance, lengths > 0)
+        self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
+        self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
+        self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
+
+    def chosen_tokens(self) -> Tensor | None:
+        """[B, T0] bool: tokens of the chosen sentences (None before ``prepare``)."""
+        return self._keep
+
+    def __call__(self, state: KVState) -> Tensor:
+        """[B, H, N] bool: slots holding a token of a chosen sentence."""
+        if not self.prepared_for(state):
+            return torch.zeros_like(state.valid)
+        keep = self._keep.to(state.positions.device)
+        pos = state.positions
+        B, H, N = pos.shape
+        inside = (pos >= 0) & (pos < keep.shape[1])
+        hit = keep.gather(1, pos.clamp(0, keep.shape[1] - 1).reshape(B, H * N)).view(B, H, N)
+        mask = hit & inside & state.valid
+        if self.token_share > 0:
+            from .eviction import rank_desc
+
+            free = state.valid & ~mask
+            rank = rank_desc(reconstruction_stat(state, "importance guard"), free)
+            mask |= free & (rank < self._tokens.to(rank.device)[:, None, None])
+        if self.window_share > 0:
+            from ..registry import SCORERS
+            from .eviction import rank_desc
+
+            free = state.valid & ~mask
+            rank = rank_desc(SCORERS.create("snapkv", {"kernel_size": 7})(state), free)
+            mask |= free & (rank < self._window.to(rank.device)[:, None, None])
+        return mask
+
+
+def token_importance(states: Sequence[KVState], num_tokens: int) -> Tensor:
+    """[B, T] float32: reconstruction score of each token summed over every layer and KV head
+    (a merged slot's score is given to its representative token)."""
+    first = states[0]
+    out = torch.zeros(first.batch_size, num_tokens, dtype=torch.float32, device=first.keys.device)
+    for st in states:
+        x = reconstruction_stat(st, "importance guard").masked_fill(~st.valid, 0.0)  # [B, H, N]
+        pos = st.positions.clamp(0, num_tokens - 1).flatten(1)
+        out.scatter_add_(1, pos, (x * (st.positions >= 0)).flatten(1))
+    return out
+
+
+def pipeline_needs_model_pass(config) -> bool:
+    """True when a PipelineConfig uses a strategy that reads the reconstruction statistic
+    (the reconstruction scorer, or the importance guard)."""
+    def uses(spec) -> bool:
+        if spec is None:
+            return False
+        if spec.name == "importance":
+            return True
+        for value in spec.params.values():
+            name = value.get("name") if isinstance(value, dict) else getattr(value, "name", value)
+            if name == "reconstruction":
+                return True
+        return False
+
+    return uses(config.clusterer) or any(uses(g) for g in config.guards) or uses(config.chunker)

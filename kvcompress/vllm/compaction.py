@@ -1,0 +1,104 @@
+"""Compress one request's prompt inside vLLM's paged cache (plain torch + the core; no vLLM).
+
+The prompt's P tokens sit at logical positions [0, P) of the request's blocks. After the
+pipeline ran on every layer, layer l's n_l slots are written to the END of that range,
+positions [P - n_l, P), with their log-sizes as the attention bias; the positions in front of
+them that are still in a live block get bias -inf; whole blocks in front hold nothing and can be
+returned to the pool. Positions stay as they were: the next token is P, so RoPE continues at the
+request's true length and vLLM's slot mapping (position -> slot) needs no change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..pipeline import Pipeline
+from ..types import NEG_INF, KVState
+from ..validation import require
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer's cache as flat slot tables: keys/values [num_slots, H, D] (views of vLLM's
+    cache) and the bias columns [num_slots, H] of this layer."""
+
+    keys: Tensor
+    values: Tensor
+    bias: Tensor
+
+
+def prompt_slots(block_ids, prompt_tokens: int, block_size: int, device=None) -> Tensor:
+    """[P] long: the physical slot of each prompt position (position -> block -> slot)."""
+    pos = torch.arange(prompt_tokens, device=device)
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+    require(blocks.numel() * block_size >= prompt_tokens, "block_ids", len(block_ids),
+            f"at least {-(-prompt_tokens // block_size)} blocks for {prompt_tokens} tokens")
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass(frozen=True)
+class CompactionResult:
+    slots_per_layer: list[int]  # n_l: slot count written per layer (padding slots of short heads included)
+    valid_slots: list[float]  # mean slots holding tokens per head, per layer
+    start: int  # first position holding a slot in any layer (min_l P - n_l)
+    dead_blocks: int  # leading blocks holding no slot
+
+
+def read_states(layers: list[PagedLayer], slots: Tensor, token_ids: Tensor | None, vocab,
+                queries: list[Tensor | None] | None = None) -> list[KVState]:
+    """The prompt of every layer as an uncompressed KVState (B = 1).
+
+    token_ids: [P] long or None; queries: per layer [W, Hq, D] (the last W prompt queries) or None.
+    """
+    states = []
+    ids = None if token_ids is None else token_ids.reshape(1, -1).long()
+    for i, layer in enumerate(layers):
+        k = layer.keys[slots].permute(1, 0, 2)[None]  # [1, H, P, D]
+        v = layer.values[slots].permute(1, 0, 2)[None]
+        state = KVState.from_raw(k.clone(), v.clone(), token_ids=ids, vocab=vocab)
+        q = None if queries is None else queries[i]
+        if q is not None:
+            state = state.replace(extras={**state.extras, "queries": q.permute(1, 0, 2)[None].contiguous()})
+        states.append(state)
+    return states
+
+
+def compress_prompt(pipeline: Pipeline, layers: list[PagedLayer], slots: Tensor, block_size: int, *,
+                    token_ids: Tensor | None = None, vocab=None, queries=None,
+                    max_slots: int | None = None) -> CompactionResult:
+    """Compress the prompt held at ``slots`` ([P] physical slots, in position order) in every
+    layer, write the result back compacted to the end, and set the bias.
+
+    max_slots: the most slots a layer may keep (the scheduler's block rule); a pipeline that
+    keeps more raises ValueError before anything is written.
+    All-or-nothing: every layer is compressed before any is written.
+    """
+    P = int(slots.numel())
+    states = read_states(layers, slots, token_ids, vocab, queries)
+    if pipeline.needs_all_layers:
+        pipeline.prepare(states)
+    results = [pipeline.compress(state, layer_idx)[0] for layer_idx, state in enumerate(states)]
+    counts = [r.num_slots for r in results]
+    limit = P if max_slots is None else max_slots
+    require(max(counts) <= limit, "slots", max(counts),
+            f"at most {limit} slots per layer after compressing {P} tokens (the freed-block rule)")
+    use_sizes = pipeline.config.proportional_attention
+    for layer, new in zip(layers, results):
+        n = new.num_slots
+        keep = slots[P - n:]
+        layer.keys[keep] = new.keys[0].permute(1, 0, 2).to(layer.keys.dtype)
+        layer.values[keep] = new.values[0].permute(1, 0, 2).to(layer.values.dtype)
+        bias = new.log_sizes[0].t()  # [n, H]
+        if not use_sizes:
+            bias = torch.where(bias == NEG_INF, NEG_INF, 0.0)
+        layer.bias[keep] = bias.to(layer.bias.dtype)
+        layer.bias[slots[: P - n]] = NEG_INF
+    start = P - max(counts)
+    return CompactionResult(
+        slots_per_layer=counts,
+        valid_slots=[float(r.valid.sum(-1).float().mean()) for r in results],
+        start=start, dead_blocks=start // block_size,
+    )

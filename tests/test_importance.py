@@ -1,0 +1,148 @@
+"""Reconstruction scorer, Ada-KV per-head budgets, importance guard, kvzip presets (pure torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import CORE_SETTINGS, make_state
+from kvcompress.pipeline import Pipeline
+from kvcompress.presets import get_preset
+from kvcompress.strategies.importance import (
+    ImportanceGuard, ReconstructionScorer, adaptive_keep, pipeline_needs_model_pass, token_importance,
+)
+
+VOCAB = ("a", " b", " c", ".", " d", " e", "!", " f")
+
+
+def with_scores(state, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    score = torch.rand(state.log_sizes.shape, generator=gen)
+    return state.replace(extras={**state.extras, "reconstruction": score}), score
+
+
+def test_scorer_reads_statistic_and_errors_without_model_pass():
+    state = make_state(0, with_membership=False)
+    with pytest.raises(ValueError, match="reconstruction"):
+        ReconstructionScorer()(state)
+    scored, score = with_scores(state)
+    assert torch.equal(ReconstructionScorer()(scored), score)
+    bad = state.replace(extras={"reconstruction": torch.zeros(1, 1, 1)})
+    with pytest.raises(ValueError, match="shape"):
+        ReconstructionScorer()(bad)
+
+
+def reference_adaptive(scores, free, quota, floor_share):
+    """Slow Ada-KV: per head its floor best first, then the layer's remaining budget to the best
+    remaining candidates of any head (ties to the lower head*N + slot index)."""
+    B, H, N = scores.shape
+    keep = torch.zeros(B, H, N, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            floor = int(quota[b, h] * floor_share + 1e-9)
+            cand = sorted([n for n in range(N) if free[b, h, n]], key=lambda n: (-float(scores[b, h, n]), n))
+            for n in cand[:floor]:
+                keep[b, h, n] = True
+        left = int(quota[b].sum()) - int(keep[b].sum())
+        rest = [(h, n) for h in range(H) for n in range(N) if free[b, h, n] and not keep[b, h, n]]
+        rest.sort(key=lambda hn: (-float(scores[b, hn[0], hn[1]]), hn[0] * N + hn[1]))
+        for h, n in rest[:max(left, 0)]:
+            keep[b, h, n] = True
+    return keep
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]))
+def test_adaptive_budgets_sum_to_layer_budget(seed, floor):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, N = 2, 3, 12
+    scores = torch.rand(B, H, N, generator=gen)
+    free = torch.rand(B, H, N, generator=gen) < 0.8
+    quota = torch.randint(0, 6, (B, H), generator=gen)
+    keep = adaptive_keep(scores, free, quota, floor)
+    assert not bool((keep & ~free).any())
+    expected = torch.minimum(quota.sum(-1), free.sum(dim=(1, 2)))
+    assert torch.equal(keep.sum(dim=(1, 2)), expected)
+    assert torch.equal(keep, reference_adaptive(scores, free, quota, floor))
+
+
+def test_kvzip_presets_meet_budgets():
+    state, _ = with_scores(make_state(3, B=2, H=3, N=256, vocab=VOCAB, with_membership=False))
+    for name in ("kvzip", "kvzip-adakv", "kvzip-sentences", "kvzip-gsc", "kvzip-csm"):
+        pipe = Pipeline(get_preset(name, keep_ratio=0.25, on_infeasible="error"))
+        out, report = pipe.compress(state, layer_idx=0)
+        assert report.budget_met, name
+        slots = out.valid.sum(-1)
+        if name == "kvzip-adakv":  # per-head counts vary; their sum is the layer's budget
+            assert torch.equal(slots.sum(-1), report.target.sum(-1))
+        elif name.startswith("kvzip"):
+            assert bool((slots == 64).all()), (name, slots)
+        else:
+            assert bool((slots <= 64).all()), (name, slots)
+
+
+def test_kvzip_keeps_the_top_scored_slots():
+    state, score = with_scores(make_state(4, B=1, H=2, N=40, with_membership=False))
+    pipe = Pipeline(get_preset("kvzip", keep_ratio=0.25, sinks=0))
+    out, _ = pipe.compress(state)
+    for h in range(2):
+        top = set(score[0, h].topk(10).indices.tolist())
+        assert set(out.positions[0, h][out.valid[0, h]].tolist()) == top
+
+
+def test_importance_guard_picks_best_sentences_in_every_head():
+    # 4 sentences of 4 tokens: ". " ends them; sentence 2 carries the importance
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 1, 3, 0, 2, 5, 3, 4, 1, 2, 3]])
+    N = ids.shape[1]
+    states = []
+    for layer in range(3):
+        keys = torch.randn(1, 2, N, 4)
+        st_ = make_state(layer, B=1, H=2, N=N, D=4, vocab=VOCAB, with_membership=False)
+        score = torch.full((1, 2, N), 0.01)
+        score[:, layer % 2, 8:12] = 0.5  # one head per layer, same sentence
+        states.append(st_.replace(keys=keys, token_ids=ids, extras={"reconstruction": score}))
+    guard = ImportanceGuard(share=0.5)
+    already = torch.zeros(1, N, dtype=torch.bool)
+    guard.prepare(states, torch.tensor([8]), already)
+    chosen = guard.chosen_tokens()[0].nonzero().flatten().tolist()
+    assert chosen[:4] == [8, 9, 10, 11] and len(chosen) <= 4
+    mask = guard(states[1])
+    assert bool(mask[0, :, 8:12].all()) and int(mask.sum()) == 8
+    imp = token_importance(states, N)
+    torch.testing.assert_close(imp[0, 8], torch.tensor(0.5 * 3 + 0.01 * 3))
+
+
+def test_guard_needs_reconstruction_and_bad_params():
+    state = make_state(0, B=1, N=16, vocab=VOCAB, with_membership=False)
+    with pytest.raises(ValueError, match="reconstruction"):
+        ImportanceGuard().prepare([state], torch.tensor([4]), torch.zeros(1, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="share"):
+        ImportanceGuard(share=1.5)
+    with pytest.raises(ValueError, match="reduce"):
+        ImportanceGuard(reduce="median")
+    with pytest.raises(ValueError, match="head_budget"):
+        get_preset("kvzip", **{"clusterer.head_budget": "weird"})
+        Pipeline(get_preset("kvzip", **{"clusterer.head_budget": "weird"}))
+
+
+def test_model_pass_detection():
+    assert pipeline_needs_model_pass(get_preset("kvzip"))
+    assert pipeline_needs_model_pass(get_preset("kvzip-gsc"))
+    assert not pipeline_needs_model_pass(get_preset("snapkv"))
+    assert not pipeline_needs_model_pass(get_preset("semanticache"))
+
+
+def test_token_share_protects_best_tokens_per_head():
+    N = 64
+    state = make_state(5, B=1, H=2, N=N, vocab=VOCAB, with_membership=False)
+    score = torch.rand(1, 2, N, generator=torch.Generator().manual_seed(9))
+    state = state.replace(extras={"reconstruction": score})
+    guard = ImportanceGuard(share=0.0, token_share=0.5)
+    guard.prepare([state], torch.tensor([16]), torch.zeros(1, N, dtype=torch.bool))
+    mask = guard(state)
+    for h in range(2):
+        assert set(mask[0, h].nonzero().flatten().tolist()) == set(score[0, h].topk(8).indices.tolist())
+    with pytest.raises(ValueError, match="token_share"):
+        ImportanceGuard(share=0.7, token_share=0.5)
