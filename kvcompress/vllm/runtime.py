@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .settings import CONFIG_KEY, Settings, freed_blocks, kept_slots
+from .settings import BlockRule, Settings
 
 logger = logging.getLogger("kvcompress.vllm")
 
@@ -59,8 +59,20 @@ class WorkerState:
     queries: dict = field(default_factory=dict)  # (req_id, layer) -> [W, Hq, D]
     scheduled: dict | None = None  # req_id -> tokens scheduled in the step being run
     plan: StepPlan | None = None
-    history: list = field(default_factory=list)  # (req_id, Record, seconds, valid slots) per compression
+    history: list = field(default_factory=list)  # (req_id, Record, seconds, valid slots, trimmed) per compression
     max_batch: int = 0  # most requests in one step's batch (concurrency)
+    pipelines: dict = field(default_factory=dict)  # settings key -> Pipeline (built once)
+    rule: BlockRule = field(init=False)  # the engine's block rule (what the scheduler frees)
+
+    def __post_init__(self):
+        self.rule = BlockRule.of(self.settings)
+
+    def pipeline(self, settings: Settings):
+        """The Pipeline of ``settings`` (None: no compression), built once per setting."""
+        key = settings.key()
+        if key not in self.pipelines:
+            self.pipelines[key] = settings.pipeline()
+        return self.pipelines[key]
 
     def ensure_bias(self, num_slots: int, columns: int, device) -> None:
         if self.bias is None or self.bias.shape != (num_slots, columns):
@@ -71,18 +83,19 @@ class WorkerState:
     def request_settings(self, req_state) -> Settings:
         """The engine setting, or the request's ``extra_args["kvcompress"]``, capped to what the
         scheduler's block rule leaves room for."""
-        params = getattr(req_state, "sampling_params", None)
-        extra = getattr(params, "extra_args", None) or {}
-        if CONFIG_KEY not in extra:
-            return self.settings
+        params = req_state.sampling_params  # None for pooling requests
         try:
-            mine = Settings.from_mapping(extra[CONFIG_KEY], base=self.settings)
+            mine = Settings.from_extra_args(None if params is None else params.extra_args, self.settings)
+            if mine is None:
+                return self.settings
+            self.pipeline(mine)  # an unsupported pipeline is refused here, not in the worker
         except ValueError as err:
-            logger.warning("request %s: ignoring extra_args[%r]: %s", req_state.req_id, CONFIG_KEY, err)
+            logger.warning("request %s: ignoring its kvcompress extra_args: %s", req_state.req_id, err)
             return self.settings
-        if self.settings.free_blocks and self.settings.enabled:
+        if self.rule.frees:
             P = req_state.num_prompt_tokens
-            if kept_slots(P, mine.config()) > kept_slots(P, self.settings.config()):
+            mine_rule = BlockRule.of(Settings(mine.preset, mine.budget, True, mine.overrides))
+            if not mine_rule.frees or mine_rule.kept(P) > self.rule.kept(P):
                 logger.warning("request %s: budget %r keeps more slots than the engine budget %r leaves "
                                "room for once blocks are freed; using the engine setting",
                                req_state.req_id, mine.budget, self.settings.budget)
@@ -128,12 +141,13 @@ class WorkerState:
                 done = req.num_computed_tokens
                 if done < P <= done + n:
                     settings = self.request_settings(req)
-                    cfg = settings.config()
-                    if cfg is not None and P >= 2:
+                    pipeline = self.pipeline(settings)
+                    if pipeline is not None and P >= 2:
                         finishing.append((req_id, P, settings))
-                        if cfg.query_window > 0:
+                        window = pipeline.needs.query_window
+                        if window > 0:
                             stop = start + (P - done)  # rows of positions < P
-                            captures.append((req_id, max(start, stop - cfg.query_window), stop))
+                            captures.append((req_id, max(start, stop - window), stop))
             start += n
         self.plan = StepPlan(dead_blocks=dead if bool((dead > 0).any()) else None,
                              captures=tuple(captures), finishing=tuple(finishing))
@@ -150,13 +164,7 @@ class WorkerState:
 
 
 def _resumed_flags(cached):
-    flags = getattr(cached, "resumed_req_ids", None)
-    if flags is not None:
-        return [rid in flags for rid in cached.req_ids]
-    flags = getattr(cached, "resumed_from_preemption", None)
-    if flags is not None:
-        return list(flags)
-    return [False] * len(cached.req_ids)
+    return [rid in cached.resumed_req_ids for rid in cached.req_ids]
 
 
-__all__ = ["WorkerState", "StepPlan", "Record", "current", "install", "freed_blocks", "kept_slots"]
+__all__ = ["WorkerState", "StepPlan", "Record", "current", "install"]
