@@ -4,6 +4,7 @@ tests_vllm/ in its own virtualenv (.ci/vllm)."""
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from types import SimpleNamespace
@@ -313,3 +314,23 @@ def test_flat_extra_args_from_the_openai_server():
     got = state.request_settings(SimpleNamespace(req_id="r", num_prompt_tokens=500,
                                                  sampling_params=SimpleNamespace(extra_args={"kvcompress_budget": 0.25})))
     assert (got.preset, got.budget) == ("semanticache", 0.25)
+
+
+def test_the_serve_example_builds_the_documented_command(capsys):
+    import importlib.util
+    import shlex
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "vllm_serve.py"
+    spec = importlib.util.spec_from_file_location("example_vllm_serve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # no vLLM import at module level
+    result = module.main(["--preset", "centroidkv", "--budget", "512", "--model", "/models/m", "--serve-command"])
+    argv = shlex.split(result["command"])
+    assert argv[:3] == ["vllm", "serve", "/models/m"] and "--no-enable-prefix-caching" in argv
+    assert argv[argv.index("--worker-cls") + 1] == "kvcompress.vllm.worker.CPUWorker"
+    config = json.loads(argv[argv.index("--additional-config") + 1])["kvcompress"]
+    assert (config["preset"], config["budget"]) == ("centroidkv", 512)
+    assert result["command"] in capsys.readouterr().out
+    with pytest.raises(ValueError, match="preset"):
+        module.main(["--preset", "h2", "--model", "/m", "--serve-command"])
