@@ -69,8 +69,7 @@ def test_bad_env_flag():
         Settings.from_env({"KVCOMPRESS_VLLM_PRESET": "semanticache", "KVCOMPRESS_VLLM_FREE": "maybe"})
 
 
-@pytest.mark.parametrize("preset, why", [("h2o", "accumulated attention"), ("kvzip", "model pass"),
-                                         ("semanticache-fitted", "reference queries")])
+@pytest.mark.parametrize("preset, why", [("h2o", "accumulated attention"), ("kvzip", "model pass")])
 def test_pipelines_the_plugin_cannot_feed_are_refused(preset, why):
     with pytest.raises(ValueError, match=why):
         Settings(preset, 0.5).pipeline()
@@ -283,8 +282,62 @@ def test_plan_step_finds_finishing_prompts_query_rows_and_dead_blocks():
     assert plan.dead_blocks.tolist() == [12, 0, 0, 0]
     assert [f[:2] for f in plan.finishing] == [("last", 100), ("short", 10)]
     # rows: decoding 0, chunk1 1..64, last 65..104 (positions 60..99: the last 32 are rows 73..104), short 105..114
-    assert plan.captures == (("last", 73, 105), ("short", 105, 115))
+    got = {rid: (rows.tolist(), pos.tolist()) for rid, rows, pos in plan.captures}
+    assert got == {"last": (list(range(73, 105)), list(range(68, 100))), "short": (list(range(105, 115)), list(range(10)))}
     assert state.plan_step(4) is plan and state.max_batch == 4
+
+
+def test_reference_positions_are_the_transformers_rule():
+    from kvcompress.hf.attention import strided_queries
+    from kvcompress.vllm.runtime import reference_positions
+
+    for P, R in [(1000, 64), (50, 64), (7, 1), (2, 3), (2048, 64)]:
+        q = torch.arange(P, dtype=torch.float32).reshape(1, 1, P, 1)
+        assert reference_positions(P, R).tolist() == strided_queries(q, R, None)[0, 0, :, 0].long().tolist()
+
+
+def test_queries_are_kept_across_the_steps_of_a_chunked_prefill():
+    """semanticache-fitted needs 64 strided reference queries: they come from every chunk."""
+    from kvcompress.vllm.runtime import reference_positions
+
+    state = WorkerState(settings=Settings("semanticache-fitted", 0.5), block_size=BS, num_layers=L)
+    P, Hq = 300, 4
+    full = torch.randn(P, Hq, D)  # the query of every prompt position (one layer)
+    for done, n in [(0, 128), (128, 128), (256, 44)]:
+        state.runner = _runner({"r": (P, done, None)})
+        state.scheduled = {"r": n}
+        state.plan = None
+        plan = state.plan_step(1)
+        for layer in range(L):
+            state.capture_queries(layer, full[done:done + n] + layer, plan.captures)
+        assert [f[0] for f in plan.finishing] == (["r"] if done + n >= P else [])
+        state.end_step()
+    want = reference_positions(P, 64)
+    for layer in range(L):
+        torch.testing.assert_close(state.queries_at("r", layer, want), full[want] + layer)
+    state.finished("r")
+    assert state.queries_at("r", 0, want) is None and "r" not in state.chosen
+
+
+def test_fitted_compaction_uses_the_reference_queries():
+    """A fitted merger's bias (not log(count)) is what the paged cache attends with."""
+    P, block_ids = 18, [7, 2, 9, 4, 11]
+    layers, _ = _paged(4)
+    slots = prompt_slots(block_ids, P, BS)
+    ids = _tokens(4, P)
+    settings = Settings("semanticache-fitted", 0.5, overrides={"sinks": 1, "recent": 2})
+    pipeline = settings.pipeline()
+    R = pipeline.needs.reference_queries
+    gen = torch.Generator().manual_seed(9)
+    reference = [torch.randn(R, 2 * H, D, generator=gen) for _ in range(L)]
+    states = read_states(layers, slots, ids[None], BPE_VOCAB, reference=reference)
+    assert states[0].extras["reference_queries"].shape == (1, 2 * H, R, D)
+    expected = [settings.pipeline().compress(s, i)[0] for i, s in enumerate(states)]
+    assert any(bool(((e.log_sizes - e.token_counts().log()).abs() > 1e-4)[e.valid].any()) for e in expected)
+    result = compress_prompt(pipeline, layers, slots, BS, token_ids=ids, vocab=BPE_VOCAB, reference=reference,
+                             max_slots=BlockRule.of(settings).kept(P))
+    for layer, want, n in zip(layers, expected, result.slots_per_layer):
+        torch.testing.assert_close(layer.bias[slots[P - n:]].t(), want.log_sizes[0])
 
 
 def test_request_settings_are_capped_by_the_engine_rule():

@@ -123,6 +123,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="converted model folder (default: kvcompress.vllm.convert)")
     ap.add_argument("--essays", default=os.environ.get("KVCOMPRESS_ESSAYS", "/work/shared/data/paul_graham_essays"))
     ap.add_argument("--keep", type=float, default=None, help=argparse.SUPPRESS)  # child mode
+    ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
@@ -131,7 +132,7 @@ def main(argv=None) -> None:
 
         args.model = str(smollm2_folder())
     if args.keep is not None:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        Path(args.result_file).write_text(json.dumps(run_one(args)))
         return
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {}
@@ -143,14 +144,16 @@ def main(argv=None) -> None:
         if keep in runs:
             print(f"keep {keep}: done already", flush=True)
             continue
+        result = out.with_name(f".{out.name}.keep{keep}.tmp")
+        result.parent.mkdir(parents=True, exist_ok=True)
+        result.unlink(missing_ok=True)
         child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--keep", str(keep),
-                 "--model", args.model]
-        proc = subprocess.run(child, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stderr[-4000:])
+                 "--model", args.model, "--result-file", str(result)]
+        proc = subprocess.run(child)  # its log goes where ours goes
+        if proc.returncode != 0 or not result.exists():
             raise SystemExit(f"keep {keep}: the engine failed (exit {proc.returncode})")
-        runs[keep] = json.loads(lines[-1][len("RESULT "):])
+        runs[keep] = json.loads(result.read_text())
+        result.unlink()
         print(json.dumps(runs[keep]), flush=True)
         data["runs"] = [runs[k] for k in sorted(runs, reverse=True)]
         base = runs.get(1.0)

@@ -37,8 +37,14 @@ def _ref(reference, prompt_id, preset, budget):
     raise KeyError((prompt_id, preset, budget))
 
 
+def _stock_prompts(reference):
+    # the text prompt and one NIAH prompt (~1.4k tokens): enough for token-for-token equality,
+    # while the flex kernel's prefill on CPU is what CI time goes to
+    return reference.prompts()[:2]
+
+
 def test_stock_engine(make_engine, reference):
-    prompts = reference.prompts()
+    prompts = _stock_prompts(reference)
     llm = make_engine()
     STOCK["tokens"] = _generate(llm, prompts, lambda p: 12)
     assert all(len(t) == 12 for t in STOCK["tokens"])
@@ -46,7 +52,7 @@ def test_stock_engine(make_engine, reference):
 
 def test_full_preset_equals_stock_vllm(make_engine, reference):
     """The plugin with ``full``: FlexAttention with a zero bias, compaction a no-op."""
-    prompts = reference.prompts()
+    prompts = _stock_prompts(reference)
     llm = make_engine(**kvv.engine_kwargs("full", None))
     tokens = _generate(llm, prompts, lambda p: 12)
     assert tokens == STOCK["tokens"]
@@ -58,13 +64,15 @@ def test_full_preset_equals_stock_vllm(make_engine, reference):
 
 def test_compressed_tokens_equal_transformers_path_and_blocks_are_freed(make_engine, reference):
     """One engine at semanticache 0.5 with block freeing; per request (extra_args) some prompts
-    use centroidkv or semanticache-safe at the same budget. First generated tokens must equal the
+    use centroidkv, semanticache-fitted (a fitted bias from strided reference queries) or
+    semanticache-safe at the same budget. First generated tokens must equal the
     transformers path's on the same prompt; NIAH as good as it; and the freed blocks let more
     requests run at once than the same pool holds uncompressed."""
     prompts = reference.prompts()
     text = [p for p in prompts if p["id"] == "text"][0]
     niah = [p for p in prompts if p["id"] != "text"]
-    jobs = [(text, "semanticache"), (text, "centroidkv")] + [(p, "semanticache") for p in niah] + \
+    jobs = [(text, "semanticache"), (text, "centroidkv"), (text, "semanticache-fitted")] + \
+           [(p, "semanticache") for p in niah] + \
            [(p, "semanticache-safe") for p in niah]
     # the pool (80 blocks of 32, conftest) holds two uncompressed ~1k-token requests
     llm = make_engine(**kvv.engine_kwargs("semanticache", 0.5))
@@ -93,7 +101,7 @@ def test_compressed_tokens_equal_transformers_path_and_blocks_are_freed(make_eng
     assert hits["vllm"] >= hits["hf"], hits
     comps = report["compressions"]
     assert len({c["request_id"] for c in comps}) == len(items)
-    assert {c["preset"] for c in comps} == {"semanticache", "centroidkv", "semanticache-safe"}
+    assert {c["preset"] for c in comps} == {"semanticache", "centroidkv", "semanticache-fitted", "semanticache-safe"}
     rule = kvv.BlockRule.of(kvv.Settings("semanticache", 0.5))
     assert rule.frees
     for c in comps:

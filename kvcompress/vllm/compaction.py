@@ -71,10 +71,13 @@ def keep_within(state: KVState, limit: int, sinks: int) -> tuple[Tensor, Tensor,
 
 
 def read_states(layers: list[PagedLayer], slots: Tensor, token_ids: Tensor | None, vocab,
-                queries: list[Tensor | None] | None = None) -> list[KVState]:
+                queries: list[Tensor | None] | None = None,
+                reference: list[Tensor | None] | None = None) -> list[KVState]:
     """The prompt of every layer as an uncompressed KVState (B = 1).
 
-    token_ids: [P] long or None; queries: per layer [W, Hq, D] (the last W prompt queries) or None.
+    token_ids: [P] long or None; queries: per layer [W, Hq, D] (the last W prompt queries) or
+    None -> extras["queries"]; reference: per layer [R, Hq, D] (queries strided over the prompt)
+    or None -> extras["reference_queries"] (rotated, unscaled, as the transformers path records).
     """
     states = []
     ids = None if token_ids is None else token_ids.reshape(1, -1).long()
@@ -82,15 +85,17 @@ def read_states(layers: list[PagedLayer], slots: Tensor, token_ids: Tensor | Non
         k = layer.keys[slots].permute(1, 0, 2)[None]  # [1, H, P, D]
         v = layer.values[slots].permute(1, 0, 2)[None]
         state = KVState.from_raw(k.clone(), v.clone(), token_ids=ids, vocab=vocab)
-        q = None if queries is None else queries[i]
-        if q is not None:
-            state = state.replace(extras={**state.extras, "queries": q.permute(1, 0, 2)[None].contiguous()})
-        states.append(state)
+        extras = dict(state.extras)
+        for key, per_layer in (("queries", queries), ("reference_queries", reference)):
+            q = None if per_layer is None else per_layer[i]
+            if q is not None:
+                extras[key] = q.permute(1, 0, 2)[None].contiguous()  # [1, Hq, W, D]
+        states.append(state.replace(extras=extras))
     return states
 
 
 def compress_prompt(pipeline: Pipeline, layers: list[PagedLayer], slots: Tensor, block_size: int, *,
-                    token_ids: Tensor | None = None, vocab=None, queries=None,
+                    token_ids: Tensor | None = None, vocab=None, queries=None, reference=None,
                     max_slots: int | None = None) -> CompactionResult:
     """Compress the prompt held at ``slots`` ([P] physical slots, in position order) in every
     layer, write the result back compacted to the end, and set the bias.
@@ -100,7 +105,7 @@ def compress_prompt(pipeline: Pipeline, layers: list[PagedLayer], slots: Tensor,
     All-or-nothing: every layer is compressed before any is written.
     """
     P = int(slots.numel())
-    states = read_states(layers, slots, token_ids, vocab, queries)
+    states = read_states(layers, slots, token_ids, vocab, queries, reference)
     if pipeline.needs_all_layers:
         pipeline.prepare(states)
     results = [pipeline.compress(state, layer_idx)[0] for layer_idx, state in enumerate(states)]

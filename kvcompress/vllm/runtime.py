@@ -33,7 +33,7 @@ def install(state: "WorkerState | None") -> None:
 @dataclass
 class StepPlan:
     dead_blocks: Tensor | None  # [num_reqs] long: leading blocks no longer attended, per batch row
-    captures: tuple = ()  # (req_id, start, stop): rows of this step's query tensor to keep
+    captures: tuple = ()  # (req_id, rows [k], positions [k]): rows of this step's query tensor to keep
     finishing: tuple = ()  # (req_id, prompt_tokens): prompts completed by this step
 
 
@@ -56,7 +56,8 @@ class WorkerState:
     bias: Tensor | None = None  # [num_slots, L * H_kv] float32
     layer_index: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     records: dict = field(default_factory=dict)  # req_id -> Record
-    queries: dict = field(default_factory=dict)  # (req_id, layer) -> [W, Hq, D]
+    queries: dict = field(default_factory=dict)  # (req_id, layer) -> [(positions [k], queries [k, Hq, D])]
+    chosen: dict = field(default_factory=dict)  # req_id -> (Settings, Pipeline) while its prompt is prefilled
     scheduled: dict | None = None  # req_id -> tokens scheduled in the step being run
     plan: StepPlan | None = None
     history: list = field(default_factory=list)  # (req_id, Record, seconds, valid slots, trimmed) per compression
@@ -103,23 +104,31 @@ class WorkerState:
         return mine
 
     # ------------------------------------------------------------------ one step
+    def _forget(self, req_id: str) -> None:
+        self.records.pop(req_id, None)
+        self.chosen.pop(req_id, None)
+        for key in [k for k in self.queries if k[0] == req_id]:
+            del self.queries[key]
+
     def begin_step(self, scheduler_output) -> None:
         self.scheduled = dict(scheduler_output.num_scheduled_tokens)
         self.plan = None
-        self.queries.clear()
         for req_id in scheduler_output.finished_req_ids:
-            self.records.pop(req_id, None)
+            self._forget(req_id)
         # a request preempted and resumed recomputes its prompt: it will be compressed again
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, resumed in zip(cached.req_ids, _resumed_flags(cached)):
             if resumed:
-                self.records.pop(req_id, None)
+                self._forget(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            self.records.pop(new.req_id, None)
+            self._forget(new.req_id)
 
     def plan_step(self, num_reqs: int) -> StepPlan:
         """Rows of this step's batch: dead blocks per row, query rows to keep, prompts finishing.
-        Computed once per step (the first metadata build), after the runner updated its batch."""
+        Computed once per step (the first metadata build), after the runner updated its batch.
+        The query rows kept are those of the positions the pipeline asks for (the last
+        ``query_window`` prompt positions, the ``reference_queries`` strided ones), from every
+        step of a chunked prefill."""
         if self.plan is not None:
             return self.plan
         runner = self.runner
@@ -139,28 +148,72 @@ class WorkerState:
             if req is not None and rec is None and n > 0:
                 P = req.num_prompt_tokens
                 done = req.num_computed_tokens
-                if done < P <= done + n:
-                    settings = self.request_settings(req)
-                    pipeline = self.pipeline(settings)
+                if done < P:
+                    if req_id not in self.chosen:  # decided once per prompt (warnings once too)
+                        settings = self.request_settings(req)
+                        self.chosen[req_id] = (settings, self.pipeline(settings))
+                    settings, pipeline = self.chosen[req_id]
                     if pipeline is not None and P >= 2:
-                        finishing.append((req_id, P, settings))
-                        window = pipeline.needs.query_window
-                        if window > 0:
-                            stop = start + (P - done)  # rows of positions < P
-                            captures.append((req_id, max(start, stop - window), stop))
+                        wanted = wanted_positions(P, pipeline.needs)
+                        here = wanted[(wanted >= done) & (wanted < min(P, done + n))]
+                        if here.numel():
+                            captures.append((req_id, start + (here - done), here))
+                        if P <= done + n:
+                            finishing.append((req_id, P, settings))
             start += n
         self.plan = StepPlan(dead_blocks=dead if bool((dead > 0).any()) else None,
                              captures=tuple(captures), finishing=tuple(finishing))
         return self.plan
 
     def capture_queries(self, layer_idx: int, query: Tensor, captures) -> None:
-        for req_id, start, stop in captures:
-            self.queries[(req_id, layer_idx)] = query[start:stop].detach().clone()
+        """Keep this step's query rows [rows, Hq, D] of the positions each capture names."""
+        for req_id, rows, positions in captures:
+            kept = query[rows.to(query.device)].detach().clone()
+            self.queries.setdefault((req_id, layer_idx), []).append((positions, kept))
+
+    def queries_at(self, req_id: str, layer_idx: int, positions: Tensor) -> Tensor | None:
+        """[len(positions), Hq, D]: the kept queries of ``positions`` (None if none were kept)."""
+        parts = self.queries.get((req_id, layer_idx))
+        if not parts:
+            return None
+        have = torch.cat([p for p, _ in parts])
+        rows = torch.cat([q for _, q in parts])
+        index = torch.full((int(max(int(have.max()), int(positions.max())) + 1),), -1, dtype=torch.long)
+        index[have] = torch.arange(have.numel())
+        picked = index[positions]
+        if bool((picked < 0).any()):
+            return None
+        return rows[picked.to(rows.device)]
+
+    def finished(self, req_id: str) -> None:
+        """The prompt is compressed: its kept queries and its setting are no longer needed."""
+        self.chosen.pop(req_id, None)
+        for key in [k for k in self.queries if k[0] == req_id]:
+            del self.queries[key]
 
     def end_step(self) -> None:
         self.scheduled = None
         self.plan = None
-        self.queries.clear()
+
+
+def wanted_positions(prompt_tokens: int, needs) -> Tensor:
+    """[K] long, sorted, unique: the prompt positions whose queries a pipeline reads."""
+    parts = [window_positions(prompt_tokens, needs.query_window), reference_positions(prompt_tokens, needs.reference_queries)]
+    return torch.unique(torch.cat(parts))
+
+
+def window_positions(prompt_tokens: int, window: int) -> Tensor:
+    """The last ``window`` positions of the prompt (all of them when it is shorter)."""
+    return torch.arange(max(0, prompt_tokens - window), prompt_tokens) if window > 0 else torch.zeros(0, dtype=torch.long)
+
+
+def reference_positions(prompt_tokens: int, count: int) -> Tensor:
+    """``count`` positions strided evenly over the prompt, the last one included (repeats when
+    the prompt is shorter): the transformers path's rule (``kvcompress.hf.attention.strided_queries``)."""
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    frac = torch.linspace(0.0, 1.0, count, dtype=torch.float64) if count > 1 else torch.ones(1, dtype=torch.float64)
+    return torch.round(frac * (max(prompt_tokens, 1) - 1)).long().clamp(0, prompt_tokens - 1)
 
 
 def _resumed_flags(cached):

@@ -147,15 +147,13 @@ class Settings:
 
 def check_supported(pipeline: Pipeline) -> None:
     """Pipelines whose statistics the vLLM plugin cannot collect are refused up front: it
-    records the last prompt queries (``Needs.query_window``) and nothing else."""
+    records prompt queries (``Needs.query_window``, ``Needs.reference_queries``) and nothing else."""
     needs, name = pipeline.needs, pipeline.config.name
     require(not needs.attention, "preset", name,
             "a pipeline that needs no accumulated attention (the vLLM plugin records the last "
             "queries (query_window) only; use the transformers path for h2o/d2o)")
     require(not needs.model_pass, "preset", name,
             "a pipeline without a model pass at the prefill's end (not available in vLLM)")
-    require(not needs.reference_queries, "preset", name,
-            "a pipeline that needs no strided reference queries (not recorded in vLLM)")
 
 
 @dataclass(frozen=True)

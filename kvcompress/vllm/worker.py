@@ -18,7 +18,7 @@ import torch
 
 from . import runtime
 from .compaction import PagedLayer, compress_prompt, prompt_slots
-from .runtime import Record, WorkerState, logger
+from .runtime import Record, WorkerState, logger, reference_positions, window_positions
 from .settings import Settings
 
 
@@ -87,20 +87,17 @@ class _CompressingWorker:
             start = time.perf_counter()
             device = layers[0][1].device
             slots = prompt_slots(req.block_ids[0], P, bs, device=device)
-            paged = []
-            queries = []
-            for idx, k, v, H in layers:
-                paged.append(PagedLayer(keys=k, values=v, bias=state.bias[:, idx * H:(idx + 1) * H]))
-                queries.append(state.queries.get((req_id, idx)))
-            if all(q is None for q in queries):
-                queries = None
+            paged = [PagedLayer(keys=k, values=v, bias=state.bias[:, idx * H:(idx + 1) * H]) for idx, k, v, H in layers]
+            needs = pipeline.needs
+            queries = self._kvc_queries(req_id, layers, window_positions(P, needs.query_window))
+            reference = self._kvc_queries(req_id, layers, reference_positions(P, needs.reference_queries))
             ids = torch.as_tensor(req.prompt_token_ids[:P], dtype=torch.long, device=device)
             # the scheduler frees the blocks in front of the engine's budget whatever happens, so
             # every layer must fit it (compress_prompt cuts a layer the pipeline left above it)
             limit = state.rule.kept(P) if state.rule.frees else None
             # text-aware strategies read state.vocab; built once per worker
             result = compress_prompt(pipeline, paged, slots, bs, token_ids=ids, vocab=self._kvc_vocabulary(),
-                                     queries=queries, max_slots=limit)
+                                     queries=queries, reference=reference, max_slots=limit)
             if result.trimmed_layers:
                 logger.warning("request %s: %s kept more than the %d slots the freed blocks leave in %d layers; "
                                "cut to the sinks and the most recent slots", req_id, pipeline.config.name, limit,
@@ -110,6 +107,17 @@ class _CompressingWorker:
             state.records[req_id] = rec
             state.history.append((req_id, rec, time.perf_counter() - start, result.valid_slots,
                                   result.trimmed_layers))
+            state.finished(req_id)
+
+    def _kvc_queries(self, req_id, layers, positions):
+        """Per layer [len(positions), Hq, D] kept queries, or None when none are asked for."""
+        if positions.numel() == 0:
+            return None
+        found = [self.kvc_state.queries_at(req_id, idx, positions) for idx, _, _, _ in layers]
+        if any(q is None for q in found):
+            raise RuntimeError(f"request {req_id}: queries of prompt positions were not kept "
+                               "(a prefill step ran without the plugin's backend?)")
+        return found
 
     def execute_model(self, scheduler_output):
         state = self.kvc_state
