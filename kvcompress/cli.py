@@ -43,11 +43,19 @@ def command_modules() -> dict[str, ModuleType]:
     return found
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``prog: error: ... (see prog --help)``), exit 2,
+    like every other bad argument; subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser(modules: dict[str, ModuleType] | None = None) -> argparse.ArgumentParser:
     import kvcompress
 
     modules = command_modules() if modules is None else modules
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvcompress", description="KV-cache compression by semantic merging (SemantiCache, CentroidKV).")
     parser.add_argument("--version", action="version", version=f"kvcompress {kvcompress.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -136,6 +144,17 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
+def _check_writable(flag: str, path: Path, base: Path) -> None:
+    """Create and remove a scratch directory in ``base``: permission bits alone miss read-only
+    mounts and pseudo file systems (/proc), where the write would fail after all the work."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvcompress-check-", dir=base))
+    except OSError as exc:
+        fail(flag, path, f"a writable location ({base}: {exc.strerror or exc})")
+
+
 def check_output_file(flag: str, path: Path | None) -> None:
     """A file that can be written: not a directory, under a directory (existing or creatable)."""
     if path is None:
@@ -148,6 +167,7 @@ def check_output_file(flag: str, path: Path | None) -> None:
         fail(flag, path, f"a path under a directory ({base} is a file)")
     if not os.access(base, os.W_OK):
         fail(flag, path, f"a writable location ({base} is not writable)")
+    _check_writable(flag, path, base)
 
 
 def check_output_dir(flag: str, path: Path) -> None:
@@ -160,6 +180,20 @@ def check_output_dir(flag: str, path: Path) -> None:
         fail(flag, path, f"a directory path ({base} is a file)")
     if not os.access(base, os.W_OK):
         fail(flag, path, f"a writable location ({base} is not writable)")
+    _check_writable(flag, path, base)
+
+
+def check_threads(flag: str, threads: int | None) -> None:
+    """None (torch's default) or a thread count >= 1; applied with ``set_threads``."""
+    if threads is not None and threads < 1:
+        fail(flag, threads, "an integer >= 1 (torch threads)")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def check_pipeline(preset, overrides: dict, what: str):

@@ -187,7 +187,17 @@ def run(args) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     else:
-        results = run_bench(settings_from_args(args), out=args.out, command=command.strip())
+        from .cli import check_input_file, check_output_dir, check_output_file
+
+        settings = settings_from_args(args)  # bad values fail here, before any model loads
+        check_output_file("--out", args.out)
+        if args.plots_dir is not None and not args.no_plots:
+            check_output_dir("--plots-dir", args.plots_dir)
+        if args.markdown is not None:
+            check_output_file("--markdown", args.markdown)
+        if args.text is not None and not Path(args.text).is_dir():
+            check_input_file("--text", Path(args.text))
+        results = run_bench(settings, out=args.out, command=command.strip())
     if not args.no_plots:
         from .bench.plots import plot_results
 

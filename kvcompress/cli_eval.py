@@ -162,22 +162,10 @@ def _methods_and_budgets(args):
 
 
 def load_tokenizer(name: str | None):
-    """The tokenizer alone (seconds, where the model takes a minute): enough to build the samples
-    and see which cells are still to run."""
-    import os
+    """The tokenizer alone: enough to build the samples and see which cells are still to run."""
+    from .hf.loading import load_tokenizer as load
 
-    from .hf import loading
-
-    if name is None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        tokenizer = loading._smollm2_tokenizer(loading.smollm2_dir())
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token  # as load_model sets it
-    return tokenizer
+    return load(name)
 
 
 def _load(args):

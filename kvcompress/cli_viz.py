@@ -40,6 +40,7 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--png", type=Path, default=None, help="write the PNG here")
     parser.add_argument("--png-tokens", type=int, default=600, help="tokens drawn in the PNG (default 600)")
     parser.add_argument("--title", default=None, help="page / figure title")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.set_defaults(func=run)
     return parser
 
@@ -143,9 +144,10 @@ def gguf_geometry(path: Path) -> tuple[int, int] | None:
 
 def check_args(args: argparse.Namespace) -> tuple[str, dict]:
     """Every argument, before any model loads; returns (text, pipeline overrides)."""
-    from .cli import check_input_file, check_output_file, check_pipeline, fail
+    from .cli import check_input_file, check_output_file, check_pipeline, check_threads, fail
     from .hf.loading import smollm2_dir
 
+    check_threads("--threads", args.threads)
     if args.html is None and args.png is None:
         raise ValueError("--html/--png are both missing: expected at least one output path")
     if args.file is not None:
@@ -194,9 +196,10 @@ def check_args(args: argparse.Namespace) -> tuple[str, dict]:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, render, print a one-line JSON summary. Returns the exit code."""
-    from .cli import Progress, fail
+    from .cli import Progress, fail, set_threads
 
     text, overrides = check_args(args)  # every argument, before the model loads
+    set_threads(args.threads)
     from .viz import load_model, visualize_text
 
     progress = Progress("kvcompress viz")

@@ -143,8 +143,9 @@ class DecodeCompressor:
         # layer_idx -> [_FloorEntry], most recent first; None where appends might lower the floor
         # (guards, overridden protection, clusterers with their own min_slots, other chunkers)
         chunker = pipeline.chunker
+        # (a fallback chunker's floor follows the target, which appends raise: no memo)
         memo_ok = (isinstance(chunker, AppendMonotone) and chunker.append_monotone and not pipeline.guards
-                   and not isinstance(pipeline.clusterer, FloorAware)
+                   and pipeline.fallback_chunker is None and not isinstance(pipeline.clusterer, FloorAware)
                    and type(pipeline).protection is Pipeline.protection
                    and type(self).floor is DecodeCompressor.floor)
         self._floors: dict | None = {} if memo_ok else None
@@ -158,23 +159,14 @@ class DecodeCompressor:
 
     # ------------------------------------------------------------------ budget
     def floor(self, state: KVState, layer_idx: int | None = None, protect: Tensor | None = None) -> Tensor:
-        """[B, H] long: the smallest cache one compression can surely reach: the clusterer's
-        ``min_slots(valid, chunk_ids)`` when it has one, else the slots it never clusters
-        (protected, anchors) plus one slot per chunk. protect: [B, H, N] bool slots protected
-        on top of the pipeline's protection, or None."""
-        protected = self.pipeline.protection(state, layer_idx)
+        """[B, H] long: the smallest cache one compression can surely reach (``Pipeline.floor``:
+        the clusterer's ``min_slots`` when it has one, else the slots it never clusters plus one
+        slot per chunk, with the pipeline's fallback levels). protect: [B, H, N] bool slots
+        protected on top of the pipeline's protection, or None."""
         if protect is not None:
-            protected = protected | (protect & state.valid)
-        chunk_ids = self.pipeline.chunker(state, protected)
-        clusterer = self.pipeline.clusterer
-        if isinstance(clusterer, FloorAware):
-            return clusterer.min_slots(state.valid, chunk_ids)
-        ids = torch.where(state.valid, chunk_ids, -1)  # [B, H, N]
-        fixed = (state.valid & (ids < 0)).sum(-1)
-        # chunk ids never decrease along the slots (Chunker protocol), so a slot opens a new chunk
-        # when its id exceeds every id before it: a linear pass instead of a sort
-        seen = torch.cat([torch.full_like(ids[..., :1], -1), ids[..., :-1].cummax(-1).values], dim=-1)
-        return fixed + ((ids >= 0) & (ids > seen)).sum(-1)
+            extra = protect & state.valid
+            state = state.replace(protected=extra if state.protected is None else state.protected | extra)
+        return self.pipeline.floor(state, layer_idx)
 
     def budget(self, state: KVState, layer_idx: int | None = None, protect: Tensor | None = None) -> Tensor:
         """[B, H] long: the budget in generation, max(pipeline target, floor)."""

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from .budget import target_slots as budget_slots
 from .config import PipelineConfig, as_config
-from .protocols import ClusterPlan, CrossLayerGuard, Needs, PersistentGuard, budget_scope_of, needs_of
+from .protocols import (ClusterPlan, CrossLayerGuard, FloorAware, Needs, PersistentGuard, budget_scope_of,
+                        needs_of)
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
 from .validation import check_int, require
@@ -114,6 +115,42 @@ def _carried(own: Tensor, before: KVState, after: KVState) -> Tensor:
     tokens = torch.zeros(B, H, T + 1, dtype=torch.bool, device=own.device)
     tokens.scatter_(-1, torch.where(before.valid, before.positions, T), own & before.valid)
     return after.protected & after.valid & tokens.gather(-1, torch.where(after.valid, after.positions, T))
+
+
+def join_chunks(valid: Tensor, chunk_ids: Tensor, groups: Tensor) -> Tensor:
+    """Chunk ids with runs of consecutive chunks joined, so that a head has at most ``groups``
+    chunks: chunk k of K (in order) joins group ``k * G // K``, i.e. every group holds
+    floor(K / G) or ceil(K / G) consecutive chunks. Heads with K <= G are returned as they are.
+
+    valid, chunk_ids: [B, H, N] (chunk ids non-decreasing along N among ids >= 0)
+    groups:           [B, H] long, >= 1
+    """
+    ids = torch.where(valid, chunk_ids, -1)
+    seen = torch.cat([torch.full_like(ids[..., :1], -1), ids[..., :-1].cummax(-1).values], dim=-1)
+    opens = (ids >= 0) & (ids > seen)
+    count = opens.sum(-1, keepdim=True)  # [B, H, 1] chunks per head
+    rank = opens.long().cumsum(-1) - 1  # [B, H, N] ordinal of each slot's chunk
+    g = groups.clamp(min=1)[..., None].to(ids.device)
+    joined = torch.div(rank * g, count.clamp(min=1), rounding_mode="floor")
+    return torch.where((ids >= 0) & (count > g), joined, chunk_ids)
+
+
+# the chunking levels, mildest first; Chunking.level names the deepest one any head needed
+LEVELS = ("chunker", "fallback", "joined", "window")
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """What one compression round may cluster: protected slots and chunk ids, both [B, H, N].
+
+    level: "chunker" (the pipeline's chunker, as the method defines it), "fallback" (some head
+    used ``fallback_chunker``), "joined" (runs of its chunks joined to fit the budget), "window"
+    (sinks and recent window shrunk to half the budget). The last three need ``fallback_chunker``.
+    """
+
+    protected: Tensor
+    chunk_ids: Tensor
+    level: str = "chunker"
 
 
 class Pipeline:
@@ -216,14 +253,24 @@ class Pipeline:
             require(h < num_heads, "full_heads", (layer_idx, h), f"kv-head indices < {num_heads}")
         return heads
 
-    def protection(self, state: KVState, layer_idx: int | None = None) -> Tensor:
-        """[B, H, N] bool: sinks, recent window, guards, user-protected slots and full heads."""
+    def protection(self, state: KVState, layer_idx: int | None = None, *, sinks: Tensor | None = None,
+                   recent: Tensor | None = None) -> Tensor:
+        """[B, H, N] bool: sinks, recent window, guards, user-protected slots and full heads.
+
+        sinks, recent: optional [B, H] long, per head, instead of the config's (the "window" level
+        of ``chunking``)."""
         cfg = self.config
         valid = state.valid
         rel = state.positions - state.start()[:, None, None]  # [B, H, N] position in the row
-        protected = valid & (rel < cfg.sinks)
-        if cfg.recent:
-            protected |= valid & (state.positions >= state.num_tokens - cfg.recent)
+        if sinks is None:
+            protected = valid & (rel < cfg.sinks)
+        else:
+            protected = valid & (rel < sinks[..., None])
+        if recent is None:
+            if cfg.recent:
+                protected |= valid & (state.positions >= state.num_tokens - cfg.recent)
+        else:
+            protected |= valid & (state.positions >= state.num_tokens - recent[..., None])
         if state.protected is not None:
             protected |= state.protected & valid
         marked = state.stats.get(GUARD_MARK)
@@ -239,6 +286,64 @@ class Pipeline:
         for head in self.full_heads(layer_idx, state.num_heads):
             protected[:, head] = valid[:, head]
         return protected
+
+    def chunking(self, state: KVState, layer_idx: int | None = None, target: Tensor | None = None) -> Chunking:
+        """Protection and chunk ids for one round towards ``target`` ([B, H] long; default: the budget).
+
+        The pipeline's chunker, as the method defines it, wherever its floor (protected slots,
+        anchors, one slot per chunk) fits the target. With a ``fallback_chunker``, a head whose
+        budget lies below that floor goes down the levels until it fits, each only as far as needed:
+        1. "fallback": the fallback chunker's chunks (SemantiCache: delimiters merged into their
+           clause instead of kept as anchors);
+        2. "window": when the protected slots alone leave no room for the rest (sinks + recent
+           window >= budget, short prompts at a low budget), sinks and recent window shrink to half
+           of the budget, the recent window first;
+        3. "joined": runs of consecutive chunks joined (``join_chunks``) until one slot per chunk fits.
+        With no guards or user-protected slots in the way, every budget is then reachable.
+        """
+        if target is None:
+            target = self._row_targets(state, self.target_slots(state, layer_idx))
+        target = target.to(state.valid.device)
+        protected = self.protection(state, layer_idx)
+        chunk_ids = self.chunker(state, protected)
+        if self.fallback_chunker is None:
+            return Chunking(protected, chunk_ids)
+        valid = state.valid
+        over = chunk_floor(valid, chunk_ids) > target  # [B, H]
+        if not bool(over.any()):
+            return Chunking(protected, chunk_ids)
+        level = 1
+        chunk_ids = torch.where(over[..., None], self.fallback_chunker(state, protected), chunk_ids)
+
+        fixed = (valid & (chunk_ids < 0)).sum(-1)  # [B, H] protected (and the fallback's anchors)
+        has_chunks = (valid & (chunk_ids >= 0)).any(-1)
+        cramped = over & (fixed + has_chunks.long() > target)
+        if bool(cramped.any()):
+            level = 3
+            cfg = self.config
+            cap = torch.div(target, 2, rounding_mode="floor")  # half the budget for sinks + recent
+            sinks = cap.clamp(max=cfg.sinks)
+            recent = (cap - sinks).clamp(max=cfg.recent)
+            narrow = self.protection(state, layer_idx, sinks=sinks, recent=recent)
+            protected = torch.where(cramped[..., None], narrow, protected)
+            chunk_ids = torch.where(over[..., None], self.fallback_chunker(state, protected), chunk_ids)
+            fixed = (valid & (chunk_ids < 0)).sum(-1)
+
+        room = (target - fixed).clamp(min=1)
+        joined = join_chunks(valid, chunk_ids, room)
+        if bool((over & (chunk_floor(valid, chunk_ids) > target)).any()):
+            level = max(level, 2)
+            chunk_ids = torch.where(over[..., None], joined, chunk_ids)
+        return Chunking(protected, chunk_ids, LEVELS[level])
+
+    def floor(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+        """[B, H] long: the smallest cache one compression of ``state`` surely reaches: the
+        clusterer's ``min_slots(valid, chunk_ids)`` when it has one, else the chunk floor of
+        ``chunking`` (fallback levels included)."""
+        chunks = self.chunking(state, layer_idx)
+        if isinstance(self.clusterer, FloorAware):
+            return self.clusterer.min_slots(state.valid, chunks.chunk_ids)
+        return chunk_floor(state.valid, chunks.chunk_ids)
 
     # ------------------------------------------------------------------ compression
     def compress(self, state: KVState, layer_idx: int | None = None, *, target_floor: Tensor | None = None,
@@ -275,14 +380,14 @@ class Pipeline:
         current = state = self._prepared(state, target_floor)
         taus = None
         rounds = 0
-        fallback_used = False
+        level = 0
         for round_idx in range(cfg.max_rounds):
             slots = current.valid.sum(-1)
             if round_idx > 0 and self._met(slots, target):
                 break
-            protected = self.protection(current, layer_idx)
-            chunk_ids, fell_back = self._chunk_ids(current, protected, target)
-            fallback_used |= fell_back
+            chunks = self.chunking(current, layer_idx, target)
+            protected, chunk_ids = chunks.protected, chunks.chunk_ids
+            level = max(level, LEVELS.index(chunks.level))
             try:
                 plan: ClusterPlan = self.clusterer(current, chunk_ids, target, round_idx)
             except ValueError as exc:  # name the method the user asked for, not only its parts
@@ -312,7 +417,7 @@ class Pipeline:
         if not met and cfg.on_infeasible == "error":
             raise BudgetError(self._infeasible_message(state, layer_idx, slots, target))
         if cfg.on_infeasible == "warn":
-            self._note_shortfall(state, layer_idx, report, fallback_used)
+            self._note_shortfall(state, layer_idx, report, LEVELS[level])
         return current, report
 
     def _row_targets(self, state: KVState, target: Tensor) -> Tensor:
@@ -324,31 +429,21 @@ class Pipeline:
             return target
         return torch.where(short[:, None], torch.maximum(target, state.valid.sum(-1)), target)
 
-    def _chunk_ids(self, state: KVState, protected: Tensor, target: Tensor) -> tuple[Tensor, bool]:
-        """Chunk ids of the pipeline's chunker; heads whose target lies below what those chunks can
-        reach use ``fallback_chunker`` instead (when the config names one)."""
-        chunk_ids = self.chunker(state, protected)
-        if self.fallback_chunker is None:
-            return chunk_ids, False
-        short = chunk_floor(state.valid, chunk_ids) > target  # [B, H]
-        if not bool(short.any()):
-            return chunk_ids, False
-        other = self.fallback_chunker(state, protected)
-        return torch.where(short[..., None], other, chunk_ids), True
-
-    def _note_shortfall(self, state: KVState, layer_idx, report: CompressionReport, fallback_used: bool) -> None:
+    def _note_shortfall(self, state: KVState, layer_idx, report: CompressionReport, level: str) -> None:
         """Warn (once per pipeline, or once per ``budget_warnings()`` scope) when the budget was
-        missed, or when it was met only through the fallback chunker."""
+        missed, or when it was met only below the chunker's floor (``level`` past "chunker")."""
         scope = _SCOPE.get()
-        if report.budget_met and not fallback_used:
+        if report.budget_met and level == "chunker":
             return
         if scope is None and self._warned:
             return
         cfg = self.config
         if report.budget_met:
+            how = {"fallback": "", "joined": ", runs of its chunks joined",
+                   "window": ", runs of its chunks joined and the sinks and recent window shrunk to half the budget"}
             why = (f"but only with the fallback chunker {cfg.fallback_chunker.name!r} "
-                   f"{dict(cfg.fallback_chunker.params)}: chunker {cfg.chunker.name!r}, as the method defines it, "
-                   f"cannot make the cache that small")
+                   f"{dict(cfg.fallback_chunker.params)}{how[level]}: chunker {cfg.chunker.name!r}, as the "
+                   f"method defines it, cannot make the cache that small")
         else:
             why = self._shortfall_reason(state, layer_idx, report.slots_per_head, report.target)
             why += ("; the cache kept is the smallest reached (on_infeasible='error' raises instead, "

@@ -151,8 +151,8 @@ def cluster_view(
         texts = _texts_from_state(state)
     require(len(texts) == N, "texts", f"{len(texts)} strings", f"one string per token ({N})")
 
-    protected = pipeline.protection(state, layer_idx)  # [1, H, N]
-    chunk_ids = pipeline.chunker(state, protected)  # [1, H, N]
+    chunks = pipeline.chunking(state, layer_idx)  # the chunks the first round uses (fallbacks included)
+    protected, chunk_ids = chunks.protected, chunks.chunk_ids  # [1, H, N]
     anchors = state.valid & ~protected & (chunk_ids < 0)
 
     eye = torch.eye(N, dtype=torch.float32, device=state.keys.device)

@@ -99,7 +99,7 @@ def test_semanticache_meets_a_budget_below_its_anchor_floor_through_the_fallback
 
 def test_out_of_reach_budget_warns_once_per_pipeline_and_error_raises():
     state = _prose_state()
-    pipe = kc.Pipeline("semanticache", keep_ratio=0.05, sinks=4, recent=16)
+    pipe = kc.Pipeline("semanticache", keep_ratio=0.05, sinks=4, recent=16, fallback_chunker=None)
     with pytest.warns(BudgetWarning) as caught:
         for layer in range(4):
             _, report = pipe.compress(state, layer_idx=layer)
@@ -109,10 +109,12 @@ def test_out_of_reach_budget_warns_once_per_pipeline_and_error_raises():
     assert "keep_ratio=0.05 is out of reach: keep reached" in msg and "20 protected (sinks=4, recent=16)" in msg
     assert "on_infeasible='error'" in msg
     with pytest.raises(kc.BudgetError, match="keep_ratio=0.05 is infeasible"):
-        kc.Pipeline("semanticache", keep_ratio=0.05, sinks=4, recent=16, on_infeasible="error").compress(state)
+        kc.Pipeline("semanticache", keep_ratio=0.05, sinks=4, recent=16, on_infeasible="error",
+                    fallback_chunker=None).compress(state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kc.Pipeline("semanticache", keep_ratio=0.05, sinks=4, recent=16, on_infeasible="best_effort").compress(state)
+        kc.Pipeline("semanticache", keep_ratio=0.05, sinks=4, recent=16, on_infeasible="best_effort",
+                    fallback_chunker=None).compress(state)
 
 
 def test_a_budget_warnings_scope_gathers_every_compression_into_one_warning():
@@ -168,3 +170,114 @@ def test_fallback_chunker_in_config_round_trips_and_follows_the_chunker():
     with pytest.raises(ValueError, match="fallback_chunker"):
         cfg.replace(fallback_chunker=None, **{"fallback_chunker.anchors": "merge"})
     assert kc.PipelineConfig().on_infeasible == "warn"
+
+
+# ---------------------------------------------------------------- below the floor, exactly
+
+def _text_state(seed, N, delim_rate, pad, B=2, H=2):
+    """Random tokens with a given share of delimiters (1.0: every token one), optional left padding."""
+    gen = torch.Generator().manual_seed(seed)
+    words = torch.tensor([i for i, t in enumerate(BPE_VOCAB) if t not in DELIMITER_TEXTS])
+    delims = torch.tensor([i for i, t in enumerate(BPE_VOCAB) if t in DELIMITER_TEXTS])
+    is_delim = torch.rand(B, N, generator=gen) < delim_rate
+    ids = torch.where(is_delim, delims[torch.randint(0, len(delims), (B, N), generator=gen)],
+                      words[torch.randint(0, len(words), (B, N), generator=gen)])
+    state = make_state(seed, B=B, H=H, N=N, pad=pad, with_membership=False)
+    return state.replace(token_ids=ids)
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), N=st.integers(1, 160), budget=st.floats(0.01, 1.0),
+       delim_rate=st.sampled_from([0.0, 0.15, 0.3, 0.6, 1.0]), sinks=st.integers(0, 8),
+       recent=st.integers(0, 40), padded=st.booleans(), max_slots=st.booleans())
+def test_semanticache_meets_every_budget_on_any_text(seed, N, budget, delim_rate, sinks, recent, padded, max_slots):
+    """Any text, any budget in (0, 1] (or any slot cap): every head of a row longer than sinks +
+    recent ends within its budget, even with on_infeasible="error"; shorter rows stay whole; and
+    where the paper's chunking reaches the budget the result is the paper's, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    pad = [int(torch.randint(0, N, (), generator=gen)) for _ in range(2)] if padded else None
+    state = _text_state(seed, N, delim_rate, pad)
+    snapshot = clone_state(state)
+    cap = {"max_slots": max(1, int(budget * N)), "keep_ratio": None} if max_slots else {"keep_ratio": budget}
+    pipe = kc.Pipeline("semanticache", sinks=sinks, recent=recent, on_infeasible="error", **cap)
+    out, report = pipe.compress(state)
+    assert_state_unchanged(state, snapshot)
+    real = state.real_tokens()  # [B]
+    slots = out.valid.sum(-1)  # [B, H]
+    for b in range(2):
+        n = int(real[b])
+        if n <= sinks + recent:
+            assert bool((slots[b] == n).all())  # left whole
+        else:
+            limit = cap["max_slots"] if max_slots else max(1, int(n * budget + 1e-9))
+            assert int(slots[b].max()) <= limit, (n, limit, slots[b])
+    assert report.budget_met
+    faithful = kc.Pipeline("semanticache", sinks=sinks, recent=recent, on_infeasible="best_effort",
+                           fallback_chunker=None, **cap)
+    ref, ref_report = faithful.compress(state)
+    if ref_report.budget_met:
+        assert pipe.chunking(state).level == "chunker"
+        for x, y in ((out.keys, ref.keys), (out.log_sizes, ref.log_sizes), (out.positions, ref.positions)):
+            assert torch.equal(x, y)
+
+
+def reference_join(valid, chunk_ids, groups):
+    """Slow loop: chunk k of K (in slot order) joins group k * G // K when K > G."""
+    out = chunk_ids.clone()
+    B, H, N = chunk_ids.shape
+    for b in range(B):
+        for h in range(H):
+            order = []
+            for n in range(N):
+                c = int(chunk_ids[b, h, n])
+                if valid[b, h, n] and c >= 0 and (not order or order[-1] != c):
+                    order.append(c)
+            K, G = len(order), int(groups[b, h])
+            if K <= G:
+                continue
+            rank = {c: k for k, c in enumerate(order)}
+            for n in range(N):
+                c = int(chunk_ids[b, h, n])
+                if valid[b, h, n] and c >= 0:
+                    out[b, h, n] = rank[c] * G // K
+    return out
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), N=st.integers(1, 40), G=st.integers(1, 12), padded=st.booleans())
+def test_join_chunks_matches_the_reference_and_fits(seed, N, G, padded):
+    from kvcompress.pipeline import join_chunks
+    gen = torch.Generator().manual_seed(seed)
+    pad = [int(torch.randint(0, N, (), generator=gen)) for _ in range(2)] if padded else None
+    state = _text_state(seed, N, 0.3, pad)
+    protected = (torch.rand(2, 2, N, generator=gen) < 0.2) & state.valid
+    ids = DelimiterChunker(anchors="merge")(state, protected)
+    groups = torch.randint(1, G + 1, (2, 2), generator=gen)
+    got = join_chunks(state.valid, ids, groups)
+    assert torch.equal(got, reference_join(state.valid, ids, groups))
+    fixed = (state.valid & (ids < 0)).sum(-1)
+    assert bool((chunk_floor(state.valid, got) <= fixed + groups).all())
+    assert bool(((got >= 0) == (ids >= 0)).all())  # only chunk members are regrouped
+
+
+def test_a_short_prompt_at_a_low_budget_shrinks_the_window_to_half_the_budget():
+    """89 tokens of 7-token sentences at 0.25: sinks 4 + recent 32 alone exceed the 22 slots, so
+    the window shrinks to 11 (4 sinks + 7 recent) and the rest is joined into 11 runs."""
+    vocab = ("w", ".")
+    ids = torch.tensor([[1 if i % 7 == 6 else 0 for i in range(89)]])
+    state = kc.KVState.from_raw(torch.randn(1, 2, 89, 8), torch.randn(1, 2, 89, 8), token_ids=ids, vocab=vocab)
+    pipe = kc.Pipeline("semanticache", keep_ratio=0.25, sinks=4, recent=32)
+    chunks = pipe.chunking(state)
+    assert chunks.level == "window"
+    assert torch.equal(chunks.protected[0, 0].nonzero().flatten(), torch.tensor([0, 1, 2, 3, *range(82, 89)]))
+    with pytest.warns(BudgetWarning, match="keep_ratio=0.25 met.*recent window shrunk"):
+        out, report = pipe.compress(state)
+    assert report.budget_met and int(out.valid.sum(-1).max()) <= 22
+    # 285 tokens: the window fits; clauses are joined in runs of about two
+    ids = torch.tensor([[1 if i % 7 == 6 else 0 for i in range(285)]])
+    state = kc.KVState.from_raw(torch.randn(1, 2, 285, 8), torch.randn(1, 2, 285, 8), token_ids=ids, vocab=vocab)
+    pipe = kc.Pipeline("semanticache", keep_ratio=0.25, sinks=4, recent=32)  # warns once per pipeline
+    assert pipe.chunking(state).level == "joined"
+    with pytest.warns(BudgetWarning, match="runs of its chunks joined"):
+        out, report = pipe.compress(state)
+    assert report.budget_met and int(out.valid.sum(-1).max()) <= 71

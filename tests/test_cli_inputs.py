@@ -173,3 +173,35 @@ def test_eval_help_has_no_internal_note(capsys):
             cli.main(argv)
         out = capsys.readouterr().out
         assert "CLI owner" not in out and "add_parser" not in out
+
+
+# ---------------------------------------------------------------------------- everyday slips
+def test_usage_errors_are_one_line_too(no_model, capsys):
+    """argparse's own errors (a missing value, a wrong type, an unknown flag or subcommand) say
+    where help is, in one line, exit 2, instead of a usage block."""
+    for argv, needle in ((["demo", "--budget", "abc"], "--budget"), (["demo", "--tokens", "x"], "--tokens"),
+                         (["demo", "--question"], "--question"), (["demo", "--recent", "5"], "--recent"),
+                         (["eval"], "niah"), (["eval", "foo"], "'foo'"), (["viz"], "--text"),
+                         (["eval", "report"], "--out")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err and "--help)" in err, (argv, err)
+
+
+def test_threads_are_checked_in_demo_and_viz(no_model, capsys, tmp_path, model_dir):
+    _fails(capsys, ["demo", "--threads", "0"], "--threads=0", ">= 1")
+    _fails(capsys, ["viz", "--text", "hello there", "--html", str(tmp_path / "v.html"), "--model", str(model_dir),
+                    "--threads", "-1"], "--threads=-1")
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs a /proc file system")
+def test_outputs_where_nothing_can_be_written_fail_up_front(no_model, capsys, tmp_path, model_dir):
+    """Permission bits say /proc is writable for root; a scratch directory tells the truth."""
+    _fails(capsys, ["eval", "niah", "--out", "/proc/kvcompress-out"], "--out='/proc/kvcompress-out'", "writable")
+    _fails(capsys, ["viz", "--text", "hello there", "--html", "/proc/kvcompress/v.html", "--model", str(model_dir)],
+           "--html=", "writable")
+    _fails(capsys, ["bench", "--out", "/proc/kvcompress.json"], "--out=", "writable")
+    _fails(capsys, ["bench", "--markdown", "/proc/kvcompress.md"], "--markdown=", "writable")
+    _fails(capsys, ["bench", "--text", str(tmp_path / "none.txt")], "--text=", "an existing file")

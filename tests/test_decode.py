@@ -210,20 +210,28 @@ def test_bad_input():
 def test_unreachable_budget_is_raised_to_the_floor():
     """A cap below what the method can reach (here: every token a delimiter anchor) becomes the
     floor instead of an error in the middle of a generation."""
-    comp = DecodeCompressor(kc.Pipeline("semanticache", max_slots=40, sinks=2, recent=4), scope="all")
+    comp = DecodeCompressor(kc.Pipeline("semanticache", max_slots=40, sinks=2, recent=4, fallback_chunker=None),
+                            scope="all")
     ids = torch.zeros(1, 100, dtype=torch.long)  # every token a delimiter anchor
     state = kc.KVState.from_raw(torch.randn(1, 1, 100, 8), torch.randn(1, 1, 100, 8), token_ids=ids, vocab=VOCAB)
     keys = state.keys.clone()
     # the floor (all anchors) lifts the budget to what is reachable: nothing to do, nothing raised
     out, report = comp.compress(state)
     assert report.budget_met and out is state and torch.equal(state.keys, keys)
+    # with SemantiCache's fallback below the anchor floor the floor is the cap itself, and it is met
+    below = DecodeCompressor(kc.Pipeline("semanticache", max_slots=40, sinks=2, recent=4,
+                                         on_infeasible="best_effort"), scope="all")
+    assert int(below.floor(state).max()) <= 40
+    out, report = below.compress(state)
+    assert report.budget_met and int(out.valid.sum(-1).max()) <= 40 and torch.equal(state.keys, keys)
 
 
 def lockstep(name, keep, g, recent, seed, steps, delim_rate=0.3):
     """Decode with and without the floor memo from one prompt, same tokens: every decision and
     every state must match. Returns (floor passes with the memo, without, compressions)."""
     gen = torch.Generator().manual_seed(seed)
-    pipe = kc.Pipeline(name, keep_ratio=keep, recompress_every=g, recent=recent)
+    # the memo follows the chunker's floor; a fallback below it (SemantiCache's default) turns it off
+    pipe = kc.Pipeline(name, keep_ratio=keep, recompress_every=g, recent=recent, fallback_chunker=None)
     fast, slow = DecodeCompressor(pipe), DecodeCompressor(pipe)
     assert fast._floors is not None
     slow._floors = None  # the reference: the floor recomputed at every call
@@ -280,7 +288,7 @@ def test_floor_memo_is_exact_for_every_monotone_chunker(keep, g, recent, seed, n
 
 
 def test_floor_memo_rejects_a_state_that_does_not_extend_the_remembered_one():
-    pipe = kc.Pipeline("semanticache", keep_ratio=0.05, recompress_every=2, sinks=0, recent=0)
+    pipe = kc.Pipeline("semanticache", keep_ratio=0.05, recompress_every=2, sinks=0, recent=0, fallback_chunker=None)
     comp = DecodeCompressor(pipe)
     words = torch.full((1, 40), 10, dtype=torch.long)  # one chunk: the floor is 1
     delims = torch.zeros(1, 40, dtype=torch.long)  # every token an anchor: the floor is 40
@@ -291,4 +299,5 @@ def test_floor_memo_rejects_a_state_that_does_not_extend_the_remembered_one():
     # same shapes, positions and slots, other tokens: the remembered floor (40) must not be used
     assert comp.should_compress(words_only)
     assert DecodeCompressor(pipe)._floors is not None
+    assert DecodeCompressor(kc.Pipeline("semanticache"))._floors is None  # the fallback's floor follows the target
     assert DecodeCompressor(kc.Pipeline("centroidkv"))._floors is None  # CSM has its own min_slots

@@ -78,3 +78,20 @@ def test_a_short_prompt_stays_whole(smollm2):
         text, info = kvcompress.generate(model, tokenizer, "Hi", preset="semanticache", budget=0.25,
                                          max_new_tokens=2, backend="sdpa")
     assert info["keep_reached"] == 1.0 and info["budget_met"] is True
+
+
+def test_the_readme_snippet_as_written(smollm2, monkeypatch, capsys):
+    """The README's Python block, unchanged, on SmolLM2 (``load_model()`` returns the model this
+    module loaded with that same call, instead of loading it a second time)."""
+    from test_readme import run_readme_block
+
+    from kvcompress.hf import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: smollm2)
+    namespace = run_readme_block()
+    info = namespace["info"]
+    assert info["context_tokens"] > 400 and info["budget_met"] and info["keep_reached"] <= 0.25 + 1e-9
+    assert info["kv_bytes_compressed"] <= 0.3 * info["kv_bytes_full"]
+    assert namespace["text"].strip()  # SmolLM2 answers something
+    assert namespace["report"].budget_met
+    print(capsys.readouterr().out)

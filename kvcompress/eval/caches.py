@@ -241,7 +241,7 @@ def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protec
     for i in cache.compressed_layer_ids():
         layer = cache.layers[i]
         tokens_seen = max(layer.num_tokens - (0 if cache.seq_start is None else int(cache.seq_start.max())), 1)
-        ratios.append(layer.valid_slots().float() / tokens_seen)  # [B, H]
+        ratios.append(layer.valid_slots().double() / tokens_seen)  # [B, H] (float32 reads 200/1000 as > 0.2)
         report = layer.last_report
         met = met and (report is None or bool(report.budget_met))
         if marks and report is not None:

@@ -80,6 +80,24 @@ def _need(module: str, why: str) -> None:
                                f"(or pip install {module})")
 
 
+def load_tokenizer(name: str | None = None):
+    """The tokenizer alone (seconds, where the model takes a minute), with a pad token as
+    ``load_model`` sets it. name: None for the embedded SmolLM2-135M-Instruct, else a Hugging Face
+    model id or local path."""
+    if name is None:
+        path = smollm2_dir()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach the hub
+        tokenizer = _smollm2_tokenizer(path)
+    else:
+        from transformers import AutoTokenizer
+
+        require(isinstance(name, str) and name != "", "model", name, "a Hugging Face model id or a local path")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching with left padding needs a pad token
+    return tokenizer
+
+
 def load_model(name: str | None = None, *, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer) in eval mode with attn_implementation="kvcompress".
 
