@@ -74,9 +74,9 @@ def run_cost(args) -> dict:
            "recorder_prefill_s": rec_s, "stats_note": cost.STATS_NOTE,
            "prefill": "model.base_model(ids) with attn_implementation='sdpa' and the stock DynamicCache"}
     doc.update(cost.cost_rounds(prefill, configs, snap.states, rounds=args.rounds, log=log))
-    from kvcompress.strategies.importance import pipeline_needs_model_pass
+    from kvcompress import Pipeline
 
-    if args.reconstruction and any(pipeline_needs_model_pass(c) for c in configs.values()):
+    if args.reconstruction and any(Pipeline(c).needs.model_pass for c in configs.values()):
         rec = []
         for r, rnd in enumerate(doc["rounds"][:args.reconstruction]):
             with plain_attention(model), torch.inference_mode():

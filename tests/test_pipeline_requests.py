@@ -27,8 +27,8 @@ class _OldBudgeted(Pipeline):
         budget = state.extras.get(_BUDGET)
         return target if budget is None else torch.maximum(target, budget)
 
-    def protection(self, state, layer_idx=None):
-        protected = super().protection(state, layer_idx)
+    def protection(self, state, layer_idx=None, **window):
+        protected = super().protection(state, layer_idx, **window)
         window = state.extras.get(_WINDOW)
         if window is None:
             return protected

@@ -109,7 +109,7 @@ def test_block_rule_slot_budget():
     Settings("semanticache", 0.25, free_blocks=False),
     Settings(None, None),
     Settings("semanticache", 0.25, overrides={"full_heads": ((0, 1),)}),  # a full head keeps everything
-    Settings("snapkv", 0.25, overrides={"clusterer.head_budget": "adaptive"}),  # Ada-KV: per-head counts vary
+    Settings("snapkv", 0.25, overrides={"clusterer.head_budget": "adaptive-sum"}),  # Ada-KV summed: counts vary
 ])
 def test_block_rule_frees_nothing_where_the_size_is_unknown(settings):
     rule = BlockRule.of(settings)

@@ -40,10 +40,10 @@ def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVStat
     query window (repeated along the window when the snapshot holds fewer) and, with
     ``track_attention``, a random positive ``stats["attn_acc"]`` [B, H, N]; when a strategy reads
     the reconstruction statistic, a random positive ``stats["reconstruction"]`` [B, H, N]."""
-    from ..strategies.importance import pipeline_needs_model_pass
+    from ..pipeline import Pipeline
 
     gen = torch.Generator().manual_seed(seed)
-    model_pass = pipeline_needs_model_pass(config)
+    model_pass = Pipeline(config).needs.model_pass
     out = []
     for st in states:
         extras = dict(st.extras)
