@@ -55,31 +55,20 @@ from torch import Tensor
 from .budget import target_slots
 from .pipeline import GUARD_MARK, Pipeline
 from .protocols import AppendMonotone, DecodeScoped, FloorAware, OpenTail
-from .registry import register_guard
 from .types import CompressionReport, KVState
 from .validation import check_choice, require
 
 FRONTIER_KEY = "decode_frontier"  # [B] long: tokens before it were covered by a compression
-_WINDOW_KEY = "_decode_window"  # (lo [B], hi [B]): token positions a tail attempt may cluster
-_BUDGET_KEY = "_decode_budget"  # [B, H] long: the budget of this call (floor applied)
 _NO_LIMIT = torch.iinfo(torch.long).max
 
 SCOPES = ("tail", "all")
 
 
-@register_guard("decode-window")
-@dataclass(frozen=True)
-class DecodeWindowGuard:
-    """Protect every slot whose position lies outside [lo, hi) of ``state.extras['_decode_window']``
-    (nothing when the key is absent). Used by DecodeCompressor's tail attempts."""
-
-    def __call__(self, state: KVState) -> Tensor:
-        window = state.extras.get(_WINDOW_KEY)
-        if window is None:
-            return torch.zeros_like(state.valid)
-        lo, hi = (w[:, None, None] for w in window)  # [B, 1, 1]
-        pos = state.positions
-        return state.valid & ((pos < lo) | (pos >= hi))
+def outside_window(state: KVState, lo: Tensor, hi: Tensor) -> Tensor:
+    """[B, H, N] bool: valid slots whose position lies outside [lo, hi) (lo, hi: [B] long), the
+    slots a tail attempt freezes."""
+    pos = state.positions
+    return state.valid & ((pos < lo[:, None, None]) | (pos >= hi[:, None, None]))
 
 
 # states remembered per layer: caches that share one DecodeCompressor (clones of a cache, one per
@@ -132,15 +121,6 @@ class _FloorEntry:
         return self.floor
 
 
-class _BudgetedPipeline(Pipeline):
-    """A pipeline whose target is at least the per-call budget in ``state.extras['_decode_budget']``."""
-
-    def target_slots(self, state: KVState, layer_idx: int | None = None) -> Tensor:
-        target = super().target_slots(state, layer_idx)
-        budget = state.extras.get(_BUDGET_KEY)
-        return target if budget is None else torch.maximum(target, budget.to(target.device))
-
-
 class DecodeCompressor:
     """Budget bookkeeping for generation with one pipeline.
 
@@ -169,26 +149,30 @@ class DecodeCompressor:
                    and type(pipeline).protection is Pipeline.protection
                    and type(self).floor is DecodeCompressor.floor)
         self._floors: dict | None = {} if memo_ok else None
-        self._full = _BudgetedPipeline(cfg)
+        self._full = Pipeline(cfg)
         if scope == "tail":
-            guards = tuple(cfg.guards) + ({"name": "decode-window"},)
-            self._tail = _BudgetedPipeline(cfg.replace(guards=guards, on_infeasible="best_effort"))
+            self._tail = Pipeline(cfg.replace(on_infeasible="best_effort"))
 
     @property
     def g(self) -> int:
         return self.pipeline.config.recompress_every
 
     # ------------------------------------------------------------------ budget
-    def floor(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+    def floor(self, state: KVState, layer_idx: int | None = None, protect: Tensor | None = None) -> Tensor:
         """[B, H] long: the smallest cache one compression can surely reach (``Pipeline.floor``:
         the clusterer's ``min_slots`` when it has one, else the slots it never clusters plus one
-        slot per chunk, with the pipeline's fallback levels)."""
+        slot per chunk, with the pipeline's fallback levels). protect: [B, H, N] bool slots
+        protected on top of the pipeline's protection, or None."""
+        if protect is not None:
+            extra = protect & state.valid
+            state = state.replace(protected=extra if state.protected is None else state.protected | extra)
         return self.pipeline.floor(state, layer_idx)
 
-    def budget(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+    def budget(self, state: KVState, layer_idx: int | None = None, protect: Tensor | None = None) -> Tensor:
         """[B, H] long: the budget in generation, max(pipeline target, floor)."""
         target = self.pipeline.target_slots(state, layer_idx)
-        return torch.maximum(target, self.floor(state, layer_idx))
+        floor = self.floor(state, layer_idx) if protect is None else self.floor(state, layer_idx, protect)
+        return torch.maximum(target, floor)
 
     def should_compress(self, state: KVState, layer_idx: int | None = None) -> bool:
         """True when some head holds more than budget + g slots."""
@@ -231,12 +215,19 @@ class DecodeCompressor:
         return self._floors.setdefault(layer_idx, [])
 
     # ------------------------------------------------------------------ compression
-    def compress(self, state: KVState, layer_idx: int | None = None) -> tuple[KVState, CompressionReport]:
+    def compress(self, state: KVState, layer_idx: int | None = None, *,
+                 protect: Tensor | None = None) -> tuple[KVState, CompressionReport]:
         """Compress back to the budget. The state given is never modified; on BudgetError (only
-        with on_infeasible='error' and a budget the whole cache cannot meet) nothing changes."""
+        with on_infeasible='error' and a budget the whole cache cannot meet) nothing changes.
+
+        protect: [B, H, N] bool slots this call never merges or drops (``Pipeline.compress``)
+        """
         require(isinstance(state, KVState), "state", type(state).__name__, "a KVState")
         state.validate()
-        budget = self.budget(state, layer_idx)
+        if protect is not None:
+            require(tuple(protect.shape) == tuple(state.valid.shape) and protect.dtype == torch.bool, "protect",
+                    (tuple(protect.shape), protect.dtype), f"a bool mask of shape {tuple(state.valid.shape)}")
+        budget = self.budget(state, layer_idx, protect)
         B = state.batch_size
         device = state.keys.device
         window_start = torch.full((B,), state.num_tokens - self.pipeline.config.recent,
@@ -250,16 +241,16 @@ class DecodeCompressor:
                 num_slots=state.num_slots, rounds=0, budget_met=True, layer_idx=layer_idx)
             return state, report
 
-        base = state.replace(extras={**state.extras, _BUDGET_KEY: budget})
         if self.scope == "tail":
             for lo, hi, new_frontier in self._tail_attempts(state, frontier, window_start):
                 if not bool((hi > lo).any()):
                     continue
-                attempt = base.replace(extras={**base.extras, _WINDOW_KEY: (lo, hi)})
-                out, report = self._tail.compress(attempt, layer_idx)
+                frozen = outside_window(state, lo, hi)
+                out, report = self._tail.compress(state, layer_idx, target_floor=budget,
+                                                  protect=frozen if protect is None else frozen | protect)
                 if report.budget_met:
                     return self._finish(out, torch.maximum(frontier, new_frontier)), report
-        out, report = self._full.compress(base, layer_idx)
+        out, report = self._full.compress(state, layer_idx, target_floor=budget, protect=protect)
         return self._finish(out, torch.maximum(frontier, window_start)), report
 
     def _tail_attempts(self, state: KVState, frontier: Tensor, window_start: Tensor):
@@ -274,8 +265,7 @@ class DecodeCompressor:
 
     @staticmethod
     def _finish(state: KVState, frontier: Tensor) -> KVState:
-        extras = {k: v for k, v in state.extras.items() if k not in (_WINDOW_KEY, _BUDGET_KEY)}
-        extras[FRONTIER_KEY] = frontier
+        extras = {**state.extras, FRONTIER_KEY: frontier}
         return state.replace(extras=extras)
 
 

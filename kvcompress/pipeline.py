@@ -104,6 +104,19 @@ def chunk_floor(valid: Tensor, chunk_ids: Tensor) -> Tensor:
     return fixed + ((ids >= 0) & (ids > seen)).sum(-1)
 
 
+def _carried(own: Tensor, before: KVState, after: KVState) -> Tensor:
+    """[B, H, M] bool: the slots of ``after`` that were protected by ``own`` in ``before``.
+    Protected slots are never merged, so each keeps its position (unique within its head).
+
+    own: [B, H, N] bool over ``before``'s slots
+    """
+    B, H, _ = own.shape
+    T = before.num_tokens  # index T: where padding slots point
+    tokens = torch.zeros(B, H, T + 1, dtype=torch.bool, device=own.device)
+    tokens.scatter_(-1, torch.where(before.valid, before.positions, T), own & before.valid)
+    return after.protected & after.valid & tokens.gather(-1, torch.where(after.valid, after.positions, T))
+
+
 def join_chunks(valid: Tensor, chunk_ids: Tensor, groups: Tensor) -> Tensor:
     """Chunk ids with runs of consecutive chunks joined, so that a head has at most ``groups``
     chunks: chunk k of K (in order) joins group ``k * G // K``, i.e. every group holds
@@ -186,9 +199,13 @@ class Pipeline:
             require(s.batch_size == first.batch_size and s.num_tokens == first.num_tokens, "states",
                     f"layers of {first.batch_size}x{first.num_tokens} and {s.batch_size}x{s.num_tokens} tokens",
                     "one state per layer of the same sequence (same batch size and tokens seen)")
+        self._prepare(states)
+
+    def _prepare(self, states: list, target_floor: Tensor | None = None) -> None:
         if not self._cross:
             return
-        budget = self.target_slots(first).amin(-1)  # [B]
+        first = states[0]
+        budget = self._targets(first, None, target_floor).amin(-1)  # [B]
         T = first.num_tokens
         pos = torch.arange(T, device=first.keys.device)[None, :]  # [1, T]
         rel = pos - first.start()[:, None]
@@ -196,12 +213,12 @@ class Pipeline:
         for guard in self._cross:
             guard.prepare(states, budget, already)
 
-    def _prepared(self, state: KVState) -> KVState:
+    def _prepared(self, state: KVState, target_floor: Tensor | None = None) -> KVState:
         """Prepare cross-layer guards from this layer when nobody did, and mark the slots of
         persistent guards in ``extras[GUARD_MARK]`` so later compressions keep them."""
         if GUARD_MARK not in state.stats:
             if any(not g.prepared_for(state) for g in self._cross):
-                self.prepare([state])
+                self._prepare([state], target_floor)
         if not self._persistent:
             return state
         mark = torch.zeros_like(state.valid)
@@ -222,6 +239,11 @@ class Pipeline:
         for head in self.full_heads(layer_idx, H):
             target[:, head] = state.valid[:, head].sum(-1)
         return target.to(state.keys.device)
+
+    def _targets(self, state: KVState, layer_idx: int | None, target_floor: Tensor | None) -> Tensor:
+        """[B, H] long: ``target_slots``, raised to ``target_floor`` where one is given."""
+        target = self.target_slots(state, layer_idx)
+        return target if target_floor is None else torch.maximum(target, target_floor.to(target.device))
 
     def full_heads(self, layer_idx: int | None, num_heads: int) -> list[int]:
         if layer_idx is None:
@@ -324,8 +346,15 @@ class Pipeline:
         return chunk_floor(state.valid, chunks.chunk_ids)
 
     # ------------------------------------------------------------------ compression
-    def compress(self, state: KVState, layer_idx: int | None = None) -> tuple[KVState, CompressionReport]:
+    def compress(self, state: KVState, layer_idx: int | None = None, *, target_floor: Tensor | None = None,
+                 protect: Tensor | None = None) -> tuple[KVState, CompressionReport]:
         """Compress ``state`` to the budget; the input state is never modified.
+
+        target_floor: [B, H] long or None; each head may keep at least this many slots (the
+                      target is max(budget, floor); decode-time compression passes its floor)
+        protect:      [B, H, N] bool or None; slots of ``state`` this call never merges or drops,
+                      on top of the pipeline's own protection. Only for this call: the result's
+                      ``protected`` is the state's own (None when it had none)
 
         A budget out of reach gives the smallest cache reached (``report.budget_met = False``):
         with ``on_infeasible='warn'`` (the default) and one BudgetWarning per pipeline (or per
@@ -338,8 +367,17 @@ class Pipeline:
         if layer_idx is not None:
             check_int("layer_idx", layer_idx, 0)
         cfg = self.config
-        target = self._row_targets(state, self.target_slots(state, layer_idx))
-        current = state = self._prepared(state)
+        own = state.protected
+        if target_floor is not None:
+            require(tuple(target_floor.shape) == (state.batch_size, state.num_heads), "target_floor",
+                    tuple(target_floor.shape), f"a [B, H] = {(state.batch_size, state.num_heads)} tensor of slots")
+        if protect is not None:
+            require(tuple(protect.shape) == tuple(state.valid.shape) and protect.dtype == torch.bool, "protect",
+                    (tuple(protect.shape), protect.dtype), f"a bool mask of shape {tuple(state.valid.shape)}")
+            # merging carries ``protected`` slot for slot, so the mask holds for every round
+            state = state.replace(protected=protect if own is None else own | protect)
+        target = self._row_targets(state, self._targets(state, layer_idx, target_floor))
+        current = state = self._prepared(state, target_floor)
         taus = None
         rounds = 0
         level = 0
@@ -368,6 +406,8 @@ class Pipeline:
             if plan.done or not progressed:
                 break
 
+        if protect is not None:
+            current = current.replace(protected=None if own is None else _carried(own, state, current))
         slots = current.valid.sum(-1)
         met = self._met(slots, target)
         report = CompressionReport(

@@ -129,14 +129,15 @@ def test_delimiter_chunker_needs_token_ids_and_vocab():
 def test_infeasible_budget_raises_budget_error(budget, name):
     state = make_state(2, B=1, H=2, N=20, with_membership=False)
     snapshot = clone_state(state)
-    pipe = Pipeline("semanticache", sinks=4, recent=4, on_infeasible="error", **budget)
+    pipe = Pipeline("semanticache", sinks=4, recent=4, on_infeasible="error", fallback_chunker=None, **budget)
     with pytest.raises(BudgetError) as info:
         pipe.compress(state)
     assert isinstance(info.value, ValueError)
     msg = str(info.value)
     assert name in msg and "best_effort" in msg and "sinks=4" in msg
     assert_state_unchanged(state, snapshot)
-    out, report = Pipeline("semanticache", sinks=4, recent=4, on_infeasible="best_effort", **budget).compress(state)
+    out, report = Pipeline("semanticache", sinks=4, recent=4, on_infeasible="best_effort", fallback_chunker=None,
+                           **budget).compress(state)
     assert not report.budget_met and bool((report.slots_per_head > report.target).any())
 
 

@@ -260,6 +260,21 @@ def test_both_query_sources_are_concatenated():
     assert torch.allclose(a.values, b.values, atol=1e-6) and torch.allclose(a.log_sizes, b.log_sizes, atol=1e-6)
 
 
+def test_window_queries_are_the_last_r_of_the_query_window():
+    """queries="window": the cache's query window (extras["queries"], maybe longer than R when
+    another strategy asked for more) supplies the last R queries; needs ask for that window."""
+    state, parent = clustered_state(4)
+    q = state.extras["reference_queries"]
+    longer = torch.cat([torch.randn_like(q[:, :, :5]), q], dim=2)  # 5 older queries in front
+    merger = FittedMerger(queries="window", reference_queries=q.shape[2])
+    assert merger.needs.query_window == q.shape[2] and merger.needs.reference_queries == 0
+    a = merger(state.replace(extras={"queries": longer}), parent)
+    b = FittedMerger()(state, parent)
+    assert torch.equal(a.values, b.values) and torch.equal(a.log_sizes, b.log_sizes)
+    with pytest.raises(ValueError, match="queries.*query_window"):
+        merger(state, parent)
+
+
 @pytest.mark.parametrize("params, name", [
     ({"queries": "question"}, "queries"), ({"key": "max"}, "key"), ({"power": -1.0}, "power"),
     ({"ridge": -0.5}, "ridge"), ({"reference_queries": 0}, "reference_queries"), ({"scale": 0.0}, "scale"),

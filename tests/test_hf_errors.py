@@ -137,7 +137,8 @@ def test_batch_change_and_4d_masks_are_rejected():
 
 def test_budget_that_cannot_be_met_leaves_the_cache_empty():
     model = tiny_model(seed=7)
-    cache = make_cache(model, "semanticache", keep_ratio=0.1, recent=32, on_infeasible="error")  # 40 tokens: >= 36 protected
+    cache = make_cache(model, "semanticache", keep_ratio=0.1, recent=32, on_infeasible="error",
+                       fallback_chunker=None)  # 40 tokens: >= 36 protected, the paper chunking only
     with pytest.raises(BudgetError, match="infeasible"):
         _forward(model, prompt_ids(10, 40), cache)
     assert cache.get_seq_length() == 0 and all(not layer.is_initialized for layer in cache.layers)

@@ -130,7 +130,8 @@ def test_compress_is_all_or_nothing():
     raw = make_cache(model, None)
     _prefill(model, prompt_ids(83, 40), raw)
     built = CompressedCache.from_states(raw.states(), "semanticache", vocab=TINY_VOCAB, backend="sdpa",
-                                        keep_ratio=0.1, recent=32, on_infeasible="error")
+                                        keep_ratio=0.1, recent=32, on_infeasible="error",
+                                        fallback_chunker=None)
     with pytest.raises(ValueError, match="infeasible"):
         built.compress()
     assert built.slots_per_layer() == [40, 40] and not built.layers[0].compressed
@@ -215,7 +216,15 @@ def test_model_pass_needs_defer_every_layer_to_the_forward_end():
     GUARDS.register("test-needs-pass")(_NeedsPass)
     try:
         model = tiny_model(seed=90)
-        cache = make_cache(model, **MERGING, guards=[{"name": "test-needs-pass"}])
+        # built and bound by hand: for_model would also register the reconstruction pass (which
+        # needs a tokenizer); this test is about the scheduler's deferral alone
+        from kvcompress.hf import CompressedCache
+        from kvcompress.hf.support import ModelGeometry
+
+        geometry = ModelGeometry.of(model)
+        cache = CompressedCache("semanticache", num_layers=geometry.num_layers, vocab=TINY_VOCAB, backend="sdpa",
+                                geometry=geometry, **MERGING, guards=[{"name": "test-needs-pass"}])
+        cache.bind(model)
         assert cache.scheduler.defers_prefill(cache)
         seen = []
         cache.add_prefill_hook(lambda c, m: seen.append(c.slots_per_layer()))

@@ -19,7 +19,7 @@ import sys
 import time
 
 # per prompt kind: the methods compared (the vLLM tests run the same ones)
-TEXT_METHODS = [("full", None), ("semanticache", 0.5), ("centroidkv", 0.5)]
+TEXT_METHODS = [("full", None), ("semanticache", 0.5), ("centroidkv", 0.5), ("semanticache-fitted", 0.5)]
 NIAH_METHODS = [("semanticache", 0.5), ("semanticache-safe", 0.5)]
 NIAH_LENGTH = 1000
 NIAH_DEPTHS = (0.1, 0.35, 0.65, 0.9)

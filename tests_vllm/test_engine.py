@@ -37,8 +37,14 @@ def _ref(reference, prompt_id, preset, budget):
     raise KeyError((prompt_id, preset, budget))
 
 
+def _stock_prompts(reference):
+    # the text prompt and one NIAH prompt (~1.4k tokens): enough for token-for-token equality,
+    # while the flex kernel's prefill on CPU is what CI time goes to
+    return reference.prompts()[:2]
+
+
 def test_stock_engine(make_engine, reference):
-    prompts = reference.prompts()
+    prompts = _stock_prompts(reference)
     llm = make_engine()
     STOCK["tokens"] = _generate(llm, prompts, lambda p: 12)
     assert all(len(t) == 12 for t in STOCK["tokens"])
@@ -46,24 +52,27 @@ def test_stock_engine(make_engine, reference):
 
 def test_full_preset_equals_stock_vllm(make_engine, reference):
     """The plugin with ``full``: FlexAttention with a zero bias, compaction a no-op."""
-    prompts = reference.prompts()
+    prompts = _stock_prompts(reference)
     llm = make_engine(**kvv.engine_kwargs("full", None))
     tokens = _generate(llm, prompts, lambda p: 12)
     assert tokens == STOCK["tokens"]
     report = _report(llm)
-    assert len(report["compressions"]) == len(prompts)
-    assert all(c["dead_blocks"] == 0 for c in report["compressions"])
+    # a request preempted for lack of blocks recomputes its prompt and is compressed again
+    assert len({c["request_id"] for c in report["compressions"]}) == len(prompts)
+    assert all(c["dead_blocks"] == 0 and max(c["slots_per_layer"]) == c["prompt_tokens"] for c in report["compressions"])
 
 
 def test_compressed_tokens_equal_transformers_path_and_blocks_are_freed(make_engine, reference):
     """One engine at semanticache 0.5 with block freeing; per request (extra_args) some prompts
-    use centroidkv or semanticache-safe at the same budget. First generated tokens must equal the
+    use centroidkv, semanticache-fitted (a fitted bias from strided reference queries) or
+    semanticache-safe at the same budget. First generated tokens must equal the
     transformers path's on the same prompt; NIAH as good as it; and the freed blocks let more
     requests run at once than the same pool holds uncompressed."""
     prompts = reference.prompts()
     text = [p for p in prompts if p["id"] == "text"][0]
     niah = [p for p in prompts if p["id"] != "text"]
-    jobs = [(text, "semanticache"), (text, "centroidkv")] + [(p, "semanticache") for p in niah] + \
+    jobs = [(text, "semanticache"), (text, "centroidkv"), (text, "semanticache-fitted")] + \
+           [(p, "semanticache") for p in niah] + \
            [(p, "semanticache-safe") for p in niah]
     # the pool (80 blocks of 32, conftest) holds two uncompressed ~1k-token requests
     llm = make_engine(**kvv.engine_kwargs("semanticache", 0.5))
@@ -91,9 +100,12 @@ def test_compressed_tokens_equal_transformers_path_and_blocks_are_freed(make_eng
     assert all(same >= 4 for _, _, same, _ in agree), agree
     assert hits["vllm"] >= hits["hf"], hits
     comps = report["compressions"]
-    assert len(comps) == len(items)
-    assert {c["preset"] for c in comps} == {"semanticache", "centroidkv", "semanticache-safe"}
+    assert len({c["request_id"] for c in comps}) == len(items)
+    assert {c["preset"] for c in comps} == {"semanticache", "centroidkv", "semanticache-fitted", "semanticache-safe"}
+    rule = kvv.BlockRule.of(kvv.Settings("semanticache", 0.5))
+    assert rule.frees
     for c in comps:
-        assert max(c["slots_per_layer"]) <= kvv.kept_slots(c["prompt_tokens"], kvv.Settings("semanticache", 0.5).config())
-        assert c["dead_blocks"] >= kvv.freed_blocks(c["prompt_tokens"], kvv.Settings("semanticache", 0.5).config(), 32)
+        assert max(c["slots_per_layer"]) <= rule.kept(c["prompt_tokens"])
+        assert c["dead_blocks"] >= rule.freed(c["prompt_tokens"], 32) > 0
+        assert c["trimmed_layers"] == 0  # these budgets are reachable: nothing was cut
     assert report["max_batch"] >= 3  # uncompressed, this pool runs two at a time

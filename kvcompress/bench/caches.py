@@ -21,7 +21,7 @@ import time
 import torch
 from torch import Tensor
 
-from ..eval.caches import Recorder, Snapshot, compressed_copy, needs_of
+from ..eval.caches import Recorder, Snapshot, compressed_copy, recording_needs
 from ..types import KVState
 from ..validation import require
 
@@ -29,10 +29,10 @@ from ..validation import require
 def prefill_snapshot(model, tokenizer, vocab, ids: Tensor, configs, backend: str = "sdpa") -> tuple[Snapshot, float]:
     """One model prefill of ``ids`` [1, T] into an uncompressed cache; (snapshot, seconds).
 
-    The recorder keeps what the configs' scorers need (query window, attention statistics).
+    The recorder keeps what the configs' strategies need (``Needs``: query window, strided
+    reference queries, attention statistics).
     """
-    window, track = needs_of(configs)
-    rec = Recorder(model, tokenizer, query_window=window, track_attention=track, backend=backend, vocab=vocab)
+    rec = Recorder(model, tokenizer, backend=backend, vocab=vocab, needs=recording_needs(configs))
     try:
         rec.feed(ids)
         snap = rec.snapshot()

@@ -9,9 +9,12 @@
 - ``scaling``: one layer of synthetic keys (prototypes + noise, Llama-3-8B-shaped heads) at
   several lengths; the log-log slope of time against N says whether the cost is linear.
 
-Presets that read attention statistics (``track_attention``) get random positive ones
-(``stats_note``): their cost does not depend on the values, and recording real ones at 8k
-would need the attention matrices of the prefill.
+Presets that read attention statistics (``track_attention``) or the reconstruction statistic
+(the question-free importance presets) get random positive ones (``stats_note``): their cost
+does not depend on the values. Recording real attention at 8k would need the prefill's
+attention matrices; the reconstruction pass is a model forward by design and is timed apart
+(``reconstruction_seconds``), not counted as compression. A fitted merger's fit is part of its
+compression and is counted.
 """
 
 from __future__ import annotations
@@ -26,15 +29,21 @@ import torch
 from ..types import KVState
 from .machine import load_average
 
-STATS_NOTE = ("presets with track_attention read random positive attn_acc (their cost does not depend on the "
-              "values; recording real ones needs the prefill's attention matrices)")
+STATS_NOTE = ("presets with track_attention read random positive attn_acc, and presets reading the reconstruction "
+              "statistic random positive scores (their cost does not depend on the values; recording real attention "
+              "needs the prefill's attention matrices; the reconstruction pass is a model forward, timed apart)")
+RECONSTRUCTION = "reconstruction"  # the per-slot statistic the reconstruction pass writes
 
 
 def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVState]:
     """The states with what ``config``'s scorers read: ``extras["queries"]`` of at least its
     query window (repeated along the window when the snapshot holds fewer) and, with
-    ``track_attention``, a random positive ``extras["attn_acc"]`` [B, H, N]."""
+    ``track_attention``, a random positive ``stats["attn_acc"]`` [B, H, N]; when a strategy reads
+    the reconstruction statistic, a random positive ``stats["reconstruction"]`` [B, H, N]."""
+    from ..pipeline import Pipeline
+
     gen = torch.Generator().manual_seed(seed)
+    model_pass = Pipeline(config).needs.model_pass
     out = []
     for st in states:
         extras = dict(st.extras)
@@ -42,9 +51,12 @@ def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVStat
         if config.query_window and q is not None and q.shape[2] < config.query_window:
             reps = -(-config.query_window // q.shape[2])
             extras["queries"] = torch.cat([q] * reps, 2)[:, :, -config.query_window:]
+        stats = dict(st.stats)
         if config.track_attention:
-            extras["attn_acc"] = torch.rand(st.keys.shape[:3], generator=gen)
-        out.append(st.replace(extras=extras))
+            stats["attn_acc"] = torch.rand(st.keys.shape[:3], generator=gen)
+        if model_pass and RECONSTRUCTION not in stats:
+            stats[RECONSTRUCTION] = torch.rand(st.keys.shape[:3], generator=gen)
+        out.append(st.replace(extras=extras, stats=stats))
     return out
 
 
@@ -68,6 +80,19 @@ def compression_seconds(config, states: Sequence[KVState], warmup: bool = True) 
         for i, st in enumerate(states):
             pipe.compress(st, i)
         return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def reconstruction_seconds(model, tokenizer, states: Sequence[KVState], ids, **kwargs) -> float:
+    """Seconds of one context-reconstruction pass (``kvcompress.hf.reconstruct``) over ``states``:
+    the model forward the question-free importance presets need before they compress.
+
+    ids: [1, T] the context the states hold; kwargs go to ``reconstruction_scores``
+    """
+    from ..hf.reconstruct import reconstruction_scores, repeat_prompt_ids
+
+    start = time.perf_counter()
+    reconstruction_scores(model, list(states), ids, repeat_ids=repeat_prompt_ids(tokenizer), **kwargs)
+    return time.perf_counter() - start
 
 
 def cost_rounds(prefill: Callable[[], float], configs: dict, states: Sequence[KVState], rounds: int = 3,

@@ -16,7 +16,7 @@ import random
 import time
 
 from ..validation import check_int, require
-from .caches import Recorder, compressed_copy, needs_of
+from .caches import Recorder, compressed_copy
 from .data import Haystack
 from .greedy import build_prompt, greedy, stop_ids
 from .methods import Method
@@ -85,8 +85,7 @@ def run_agreement(model, tokenizer, windows, grid: Grid, store: CellStore, *, ne
             bar.set_description(sid[:40])
             prompt = build_prompt(tokenizer, text, instruction, chat)
             configs = {(m.label, b): m.config(b) for m, b in cells}
-            window, track = needs_of(configs.values())
-            rec = Recorder(model, tokenizer, query_window=window, track_attention=track, backend=backend)
+            rec = Recorder.for_configs(model, tokenizer, configs.values(), backend=backend)
             try:
                 rec.feed(prompt.head)
                 snap = rec.snapshot()

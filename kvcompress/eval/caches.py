@@ -8,10 +8,10 @@ snapshot with ``CompressedCache.from_states`` and compresses it with ``cache.com
 prefill rule of a real prefill (cross-layer guards see every layer), without running the model.
 The copy is bound to the model for decoding. One model prefill serves every method.
 
-``_EvalPipeline`` (a ``Pipeline``) can protect token spans in every layer and head (an oracle
-that knows where the needle is) and traces span markers through the merge: a per-slot count
-of marked tokens that merging sums over members (a stat), so after compression each slot says
-how many needle tokens it holds and how many tokens in all.
+``compressed_copy`` can protect token spans in every layer and head (an oracle that knows where
+the needle is: ``cache.compress(protect=...)``) and traces span markers through the merge: a
+per-slot count of marked tokens that merging sums over members (a stat), so after compression
+each slot says how many needle tokens it holds and how many tokens in all.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def recording_needs(configs) -> Needs:
 
 
 def needs_of(configs) -> tuple[int, bool]:
-    """(query window, track attention) a recorder needs to serve every config."""
+    """(query window, track attention) a recorder needs to serve every config (no reference
+    queries: use ``Recorder.for_configs`` to record everything, e.g. for the fitted merger)."""
     needs = recording_needs(configs)
     return needs.query_window, needs.attention
 
@@ -78,12 +79,21 @@ class Recorder:
 
         if needs is None:
             needs = Needs(query_window=query_window, attention=track_attention)
+        # only what a prefill records: the model-pass and all-layer needs belong to the copies
+        needs = Needs(query_window=needs.query_window, reference_queries=needs.reference_queries,
+                      attention=needs.attention)
         self.needs = needs
         self.model = model
         self.cache = CompressedCache.for_model(model, tokenizer, None, backend=backend, vocab=vocab, record=needs)
         self.backend = backend
         self.forwards = 0
         self.prefill_s = 0.0
+
+    @classmethod
+    def for_configs(cls, model, tokenizer, configs, *, backend: str = "auto", vocab=None) -> "Recorder":
+        """A recorder of everything the pipelines of ``configs`` need (``recording_needs``): their
+        query window, attention statistics and strided reference queries (the fitted merger's)."""
+        return cls(model, tokenizer, backend=backend, vocab=vocab, needs=recording_needs(configs))
 
     def feed(self, ids: Tensor, *, logits: bool = False) -> Tensor | None:
         """Run the model over ``ids`` [1, q] on top of what was fed; returns logits [1, q, V] when
@@ -117,36 +127,30 @@ class Recorder:
 
 
 # ---------------------------------------------------------------------------- compressed copies
-class _EvalPipeline(Pipeline):
-    """A pipeline that protects token spans and traces span markers through its compressions.
+def span_tokens(spans, batch: int, num_tokens: int, device=None) -> Tensor | None:
+    """[B, T] bool: the tokens of ``spans`` [(start, end), ...] (None for no spans), as
+    ``CompressedCache.compress(protect=...)`` takes them."""
+    spans = tuple(spans or ())
+    if not spans:
+        return None
+    pos = torch.arange(num_tokens, device=device)
+    mask = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    for a, b in spans:
+        mask |= (pos >= a) & (pos < b)
+    return mask.expand(batch, num_tokens).clone()
 
-    protect: [(start, end), ...] token positions never merged or dropped, in every layer and head
-    marks:   name -> (start, end) token positions to trace
-    """
 
-    def __init__(self, config: PipelineConfig, protect=(), marks=None):
-        super().__init__(config)
-        self.protect = tuple(protect or ())
-        self.marks = dict(marks or {})
-        self.traces: dict[int, dict] = {}
-
-    def compress(self, state: KVState, layer_idx: int | None = None):
-        if not self.protect and not self.marks:
-            return super().compress(state, layer_idx)
-        pos = state.positions  # [B, H, N]; before the first compression a slot is one token
-        stats = dict(state.stats)
-        for name, (a, b) in self.marks.items():
-            stats[MARK_PREFIX + name] = ((pos >= a) & (pos < b)).float()
-        protected = state.protected
-        for a, b in self.protect:
-            span = state.valid & (pos >= a) & (pos < b)
-            protected = span if protected is None else protected | span
-        out, report = super().compress(state.replace(stats=stats, protected=protected), layer_idx)
-        if self.marks:
-            self.traces[layer_idx] = {name: trace_mark(out, out.stats[MARK_PREFIX + name], b - a)
-                                      for name, (a, b) in self.marks.items()}
-        clean = {k: v for k, v in out.stats.items() if not k.startswith(MARK_PREFIX)}
-        return out.replace(stats=clean, protected=None), report
+def with_marks(state: KVState, marks: dict) -> KVState:
+    """``state`` (uncompressed) with one per-slot statistic per mark (name -> (start, end)):
+    1 on the marked tokens. Mergers sum it over members, so once compressed each slot says how
+    many marked tokens it holds."""
+    if not marks:
+        return state
+    pos = state.positions  # [B, H, N]; before the first compression a slot is one token
+    stats = dict(state.stats)
+    for name, (a, b) in marks.items():
+        stats[MARK_PREFIX + name] = ((pos >= a) & (pos < b)).float()
+    return state.replace(stats=stats)
 
 
 def trace_mark(state: KVState, count: Tensor, length: int) -> dict:
@@ -196,9 +200,11 @@ def _as_needed(state: KVState, needs: Needs, name: str) -> KVState:
             f"a recorder with query_window >= {window} for pipeline {name!r}")
     reference = state.extras.get("reference_queries")
     R = needs.reference_queries
+    # a stride of R over the prefill is not a subset of another R': the count must be the same
     require(R == 0 or (reference is not None and reference.shape[2] == R), "snapshot",
             f"reference queries {None if reference is None else reference.shape[2]}",
-            f"a recorder with reference_queries == {R} for pipeline {name!r}")
+            f"a recorder with reference_queries == {R} for pipeline {name!r} (Recorder.for_configs; "
+            "methods of one grid must agree on reference_queries)")
     require(not needs.attention or "attn_acc" in state.stats, "snapshot", "no attention statistics",
             f"a recorder with track_attention=True for pipeline {name!r}")
     extras = {k: v for k, v in state.extras.items() if k not in ("queries", "reference_queries")}
@@ -213,32 +219,43 @@ def _as_needed(state: KVState, needs: Needs, name: str) -> KVState:
 def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protect=(), marks=None) -> Copy:
     """A new cache for ``model`` holding ``snapshot`` compressed by ``config``.
 
-    The snapshot is not modified. protect / marks: token spans, see ``_EvalPipeline``.
+    The snapshot is not modified. protect: token spans [(start, end), ...] no layer or head
+    merges or drops in this compression (an oracle that knows where the needle is); marks: name
+    -> (start, end) token spans traced through the merge (``trace_mark``), in ``Copy.trace``.
     """
     from ..hf import CompressedCache
 
-    pipe = _EvalPipeline(config, protect=protect, marks=marks)
-    states = [_as_needed(st, pipe.needs, config.name) for st in snapshot.states]
+    marks = dict(marks or {})
+    pipe = Pipeline(config)
+    states = [with_marks(_as_needed(st, pipe.needs, config.name), marks) for st in snapshot.states]
     cache = CompressedCache.from_states(states, pipe, vocab=snapshot.vocab, backend=snapshot.backend,
                                         geometry=snapshot.geometry)
+    tokens = span_tokens(protect, snapshot.token_ids.shape[0], snapshot.num_tokens, snapshot.token_ids.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        cache.compress()
+        cache.compress(protect=tokens)
     compress_s = time.perf_counter() - start
-    cache.bind(model)
 
     ratios, met = [], True
-    for layer in (cache.layers[i] for i in cache.compressed_layer_ids()):
-        tokens = max(layer.num_tokens - (0 if cache.seq_start is None else int(cache.seq_start.max())), 1)
-        ratios.append(layer.valid_slots().double() / tokens)  # [B, H] (float32 reads 200/1000 as > 0.2)
+    traces: dict[int, dict] = {}
+    for i in cache.compressed_layer_ids():
+        layer = cache.layers[i]
+        tokens_seen = max(layer.num_tokens - (0 if cache.seq_start is None else int(cache.seq_start.max())), 1)
+        ratios.append(layer.valid_slots().double() / tokens_seen)  # [B, H] (float32 reads 200/1000 as > 0.2)
         report = layer.last_report
         met = met and (report is None or bool(report.budget_met))
+        if marks and report is not None:
+            st = cache.layer_state(i)
+            traces[i] = {name: trace_mark(st, st.stats[MARK_PREFIX + name], b - a) for name, (a, b) in marks.items()}
+    for name in marks:
+        cache.drop_stats(MARK_PREFIX + name)  # traced; decoding need not carry them
+    cache.bind(model)
     ratios_t = torch.stack(ratios)  # [L, B, H]
     trace = {}
-    if pipe.traces:
-        for name in pipe.marks:
-            rows = [t[name] for t in pipe.traces.values()]
+    if traces:
+        for name in marks:
+            rows = [t[name] for t in traces.values()]
             trace[name] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-            trace[name]["alone_per_layer"] = [round(pipe.traces[i][name]["alone"], 3) for i in sorted(pipe.traces)]
+            trace[name]["alone_per_layer"] = [round(traces[i][name]["alone"], 3) for i in sorted(traces)]
     return Copy(cache=cache, compress_s=compress_s, keep_max=float(ratios_t.max()), keep_mean=float(ratios_t.mean()),
                 layers_met=met, trace=trace)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..validation import check_int, require
-from .caches import Recorder, needs_of
+from .caches import Recorder
 from .reconstruction import copy_for
 from .data import Haystack
 from .results import CellStore, cell_key
@@ -84,8 +84,7 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
                 continue
             bar.set_description(sid[:40])
             configs = {(m.label, b): m.config(b) for m, b in cells}
-            window, track = needs_of(configs.values())
-            rec = Recorder(model, tokenizer, query_window=window, track_attention=track, backend=backend)
+            rec = Recorder.for_configs(model, tokenizer, configs.values(), backend=backend)
             try:
                 rec.feed(ids[:, :prefix])
                 snap = rec.snapshot()

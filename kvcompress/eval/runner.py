@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..validation import check_choice, require
-from .caches import Recorder, needs_of
+from .caches import Recorder
 from .data import token_span
 from .greedy import build_prompt, greedy, stop_ids
 from .methods import Method
@@ -124,10 +124,9 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
     require(protect is None or protect in spans, "protect", protect, f"a span of the sample: {sorted(spans)}")
     context_tokens = count_context_tokens(prompt)
     configs = {(m.label, b): m.config(b) for m, b, _ in cells}
-    window, track = needs_of(configs.values())
     protocols = {p for _, _, p in cells}
 
-    rec = Recorder(model, tokenizer, query_window=window, track_attention=track, backend=backend)
+    rec = Recorder.for_configs(model, tokenizer, configs.values(), backend=backend)
     snaps = {}
     try:
         rec.feed(prompt.head)

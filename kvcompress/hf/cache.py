@@ -191,6 +191,10 @@ class CompressedCache(Cache):
             vocab = token_texts(tokenizer)
         cache = cls(pipeline, num_layers=geometry.num_layers, vocab=vocab, backend=backend, geometry=geometry,
                     sliding_windows=sliding_windows(model), record=record, **overrides)
+        if cache.scheduler.needs.model_pass:  # e.g. the reconstruction scorer: its pass runs at the prefill's end
+            from .reconstruct import prefill_hook
+
+            cache.add_prefill_hook(prefill_hook(tokenizer))
         cache.bind(model)
         return cache
 
@@ -354,16 +358,25 @@ class CompressedCache(Cache):
         return [self.layer_state(i) if i in self._full and self.layers[i].is_initialized else None
                 for i in range(len(self.layers))]
 
-    def compress(self) -> None:
+    def compress(self, *, protect: Tensor | None = None) -> None:
         """Compress every layer now: layers not compressed yet by the prefill rule (prefill hooks
-        and cross-layer guards first), the others back to their budget. All or nothing."""
+        and cross-layer guards first), the others back to their budget. All or nothing.
+
+        protect: [B, T] bool (T = ``num_tokens``) or None; tokens that this compression keeps
+                 as they are in every layer and head (e.g. a passage known to matter)
+        """
         self._flush()
         require(self._fwd is None, "cache", "a forward in flight", "a cache between forwards")
         require(all(self.layers[i].is_initialized for i in self._full), "cache", "empty layers",
                 "a cache that holds tokens (prefill it or build it with from_states)")
+        if protect is not None:
+            B = self.layers[self._full[0]].keys.shape[0]
+            require(isinstance(protect, Tensor) and protect.dtype == torch.bool
+                    and tuple(protect.shape) == (B, self.num_tokens), "protect",
+                    tuple(getattr(protect, "shape", ())), f"a bool tensor [B, T] = {(B, self.num_tokens)} or None")
         snap = self._snapshot(self._full)
         try:
-            self.scheduler.compress_all(self)
+            self.scheduler.compress_all(self, protect)
         except BaseException:
             self._restore(snap)
             raise
@@ -384,6 +397,11 @@ class CompressedCache(Cache):
             if value is not None:
                 require(i in self._full, f"values[{i}]", "a tensor", "None for a sliding-window layer")
                 self.layers[i].set_stat(name, value)
+
+    def drop_stats(self, name: str) -> None:
+        """Remove the per-slot statistic ``name`` from every layer (nothing when absent)."""
+        for i in self._full:
+            self.layers[i].drop_stat(name)
 
     def set_extras(self, name: str, values: Sequence) -> None:
         """Carried data, one value per layer (None: leave the layer alone), in each state's extras."""

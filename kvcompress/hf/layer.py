@@ -305,6 +305,11 @@ class CompressedLayer(CacheLayerMixin):
         self._sx[name] = buf
         self.stat_specs[name] = (tuple(value.shape[3:]), value.dtype)
 
+    def drop_stat(self, name: str) -> None:
+        """Forget the per-slot statistic ``name`` (its buffer is freed)."""
+        self._sx.pop(name, None)
+        self.stat_specs.pop(name, None)
+
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> LayerSnapshot:
         stats = {name: buf[:, :, : self.n].clone() for name, buf in self._sx.items()}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import Tensor
 
 from ..budget import target_slots
 from ..decode import FRONTIER_KEY, DecodeCompressor
@@ -34,6 +35,18 @@ def with_frontier(state: KVState, recent: int) -> KVState:
     start = max(state.num_tokens - recent, 0)
     frontier = torch.full((state.batch_size,), start, dtype=torch.long, device=state.keys.device)
     return state.replace(extras={**state.extras, FRONTIER_KEY: frontier})
+
+
+def slots_of(tokens: Tensor | None, state: KVState) -> Tensor | None:
+    """[B, H, N] bool: the valid slots of ``state`` whose position is marked in ``tokens`` [B, T]
+    bool (None: None)."""
+    if tokens is None:
+        return None
+    B, H, N = state.valid.shape
+    T = tokens.shape[1]
+    padded = torch.cat([tokens.to(state.keys.device), tokens.new_zeros(B, 1).to(state.keys.device)], dim=1)
+    index = torch.where(state.valid, state.positions, T).reshape(B, H * N)  # [B, H * N]; T: padding
+    return padded.gather(1, index).reshape(B, H, N) & state.valid
 
 
 class Scheduler:
@@ -88,9 +101,10 @@ class Scheduler:
         return layer.n > limit + cfg.recompress_every
 
     # ------------------------------------------------------------------ every layer at once
-    def compress_prefill(self, cache, layer_ids: list[int]) -> None:
+    def compress_prefill(self, cache, layer_ids: list[int], protect: Tensor | None = None) -> None:
         """Prefill compression of ``layer_ids`` after the prefill hooks and the pipeline's
-        cross-layer guards have seen all of them; installs only when every layer compressed."""
+        cross-layer guards have seen all of them; installs only when every layer compressed.
+        protect: [B, T] bool tokens no layer merges or drops in this compression, or None."""
         if self.pipeline is None or not layer_ids:
             return
         start = time.perf_counter()
@@ -101,7 +115,7 @@ class Scheduler:
         self.pipeline.prepare(list(states.values()))
         done = []
         for i, state in states.items():
-            new_state, report = self.pipeline.compress(state, i)
+            new_state, report = self.pipeline.compress(state, i, protect=slots_of(protect, state))
             done.append((i, with_frontier(new_state, self.pipeline.config.recent), report))
         for i, new_state, report in done:
             cache._install(i, new_state, report)
@@ -109,19 +123,20 @@ class Scheduler:
         for _ in done:
             cache._record_compression(seconds / len(done), prefill=True)
 
-    def compress_all(self, cache) -> None:
+    def compress_all(self, cache, protect: Tensor | None = None) -> None:
         """``cache.compress()``: layers never compressed by the prefill rule, the others back to
-        their decode-time budget."""
+        their decode-time budget. protect: [B, T] bool tokens kept as they are, or None."""
         if self.pipeline is None:
             return
         fresh = [i for i in cache.compressed_layer_ids() if not cache.layers[i].compressed]
         if fresh:
             cache._run_prefill_hooks()
-            self.compress_prefill(cache, fresh)
+            self.compress_prefill(cache, fresh, protect)
         for i in cache.compressed_layer_ids():
             if i in fresh:
                 continue
             start = time.perf_counter()
-            new_state, report = self.decoder.compress(cache.layer_state(i), i)
+            state = cache.layer_state(i)
+            new_state, report = self.decoder.compress(state, i, protect=slots_of(protect, state))
             cache._install(i, new_state, report)
             cache._record_compression(time.perf_counter() - start, prefill=False)

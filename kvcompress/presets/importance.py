@@ -4,7 +4,8 @@ Every preset here reads the ``reconstruction`` statistic, which a model pass aft
 writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot run them.
 
 - ``kvzip``: eviction by reconstruction scores per (layer, KV head) (Kim et al., arXiv 2505.23416);
-- ``kvzip-adakv``: the same with Ada-KV per-head budgets (one top-k over the heads of a layer);
+- ``kvzip-adakv``: the same with Ada-KV per-head budgets (one score threshold over the heads of a
+  layer, no head above its target: the padded tensor is the budget, so the memory is real);
 - ``kvzip-sentences``: whole sentences ranked by reconstruction importance summed over all layers
   and heads, the same in every head and layer, up to the whole budget; what is left goes to the
   best tokens per head (eviction);
@@ -42,9 +43,10 @@ def kvzip() -> PipelineConfig:
 
 @register_preset("kvzip-adakv")
 def kvzip_adakv() -> PipelineConfig:
-    """KVzip with Ada-KV per-head budgets: the budget is met per layer (sum over heads); the
-    layer tensor is padded to its longest head, so real memory can exceed the budget."""
-    return _kvzip("kvzip-adakv", head_budget="adaptive").replace(on_infeasible="best_effort")
+    """KVzip with Ada-KV per-head budgets on a rectangular cache: heads whose importance is
+    concentrated keep fewer slots, none keeps more than the uniform budget (the padded tensor
+    is the budget, so the memory saved is real)."""
+    return _kvzip("kvzip-adakv", head_budget="adaptive")
 
 
 @register_preset("kvzip-sentences")

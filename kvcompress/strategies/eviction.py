@@ -20,7 +20,7 @@ from ..registry import SCORERS, register_clusterer, register_merger
 from ..types import KVState
 from ..validation import check_choice, check_range, require
 
-HEAD_BUDGETS = ("uniform", "adaptive")
+HEAD_BUDGETS = ("uniform", "adaptive", "adaptive-sum")
 
 _FINITE_MIN = torch.finfo(torch.float32).min
 
@@ -53,17 +53,19 @@ def select_kept(state: KVState, free: Tensor, target: Tensor, scores: Tensor, re
     free:   [B, H, N] bool clusterable slots (valid, not protected, in a chunk)
     target: [B, H] long slots per head; scores: [B, H, N] (higher = keep)
     The most recent floor(quota * recent_share) free slots are kept first, then the best-scored:
-    per head ("uniform"), or by one top-k over all heads of the layer ("adaptive", Ada-KV: the
-    per-head counts differ and sum to the layer's budget; see importance.adaptive_keep).
+    per head ("uniform"), or by Ada-KV's one score threshold over all heads of the layer
+    ("adaptive": no head above its target, the padded layer tensor is the budget; "adaptive-sum":
+    the per-head counts sum to the layer's budget; see importance.adaptive_keep).
     """
     quota = free_quota(state, free, target)[..., None]  # [B, H, 1]
     n_recent = torch.floor(quota.double() * recent_share + 1e-9).long()
     keep = free & (rank_desc(state.positions, free) < n_recent)
     rest = free & ~keep
-    if head_budget == "adaptive":
+    if head_budget != "uniform":
         from .importance import adaptive_keep
 
-        return keep | adaptive_keep(scores, rest, (quota - n_recent)[..., 0], head_floor)
+        return keep | adaptive_keep(scores, rest, (quota - n_recent)[..., 0], head_floor,
+                                    rectangular=head_budget == "adaptive")
     return keep | (rest & (rank_desc(scores, rest) < quota - n_recent))
 
 
@@ -91,11 +93,14 @@ class EvictClusterer:
     scorer:       a registered scorer: name, {"name", "params"} or StrategySpec (default "knorm")
     recent_share: fraction in [0, 1] of the kept clusterable slots reserved for the most recent
                   ones before the scorer picks the rest (H2O: 0.5)
-    head_budget:  "uniform" (every head keeps its target) or "adaptive" (Ada-KV: one top-k over
-                  all heads of a layer; per-head counts differ, their sum is the layer's budget;
-                  the layer tensor is padded to its longest head, so real memory is that head's
-                  count times the heads)
-    head_floor:   with "adaptive", the share of its uniform quota every head keeps first
+    head_budget:  "uniform" (every head keeps its target), "adaptive" (Ada-KV's one score
+                  threshold over all heads of a layer, lowered until the first head reaches its
+                  target: per-head counts differ, none above its target, so the layer tensor,
+                  padded to its longest head, is the budget: real memory) or "adaptive-sum"
+                  (Ada-KV's accounting: one top-k over all heads, per-head counts sum to the
+                  layer's budget; the tensor is padded to the longest head, so memory is that
+                  head's count times the heads: no memory saved)
+    head_floor:   with "adaptive*", the share of its uniform quota every head keeps first
 
     Each head keeps exactly its target when it holds enough clusterable slots: target minus its
     protected slots and anchors. One round; ties go to the earlier slot.
@@ -120,8 +125,8 @@ class EvictClusterer:
 
     @property
     def budget_scope(self) -> str:
-        """"layer" when per-head counts may differ (the budget is met by their sum), else "head"."""
-        return "layer" if self.head_budget == "adaptive" else "head"
+        """"layer" when the budget is met by the heads' sum ("adaptive-sum"), else "head"."""
+        return "layer" if self.head_budget == "adaptive-sum" else "head"
 
     @property
     def needs(self) -> Needs:

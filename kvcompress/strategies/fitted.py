@@ -28,14 +28,18 @@ from .mergers import apply_merge_plan, is_identity_plan
 
 REFERENCE_QUERIES = "reference_queries"  # extras: [B, Hq, R, D] strided prefill queries (rotated)
 RECONSTRUCTION_QUERIES = "reconstruction_queries"  # extras: [B, Hq, R, D] from the reconstruction pass
+WINDOW_QUERIES = "queries"  # extras: [B, Hq, W, D] the last W queries of the layer (query_window)
 QUERY_SOURCES = {
     "prefill": (REFERENCE_QUERIES,),
+    "window": (WINDOW_QUERIES,),
     "reconstruction": (RECONSTRUCTION_QUERIES,),
     "both": (REFERENCE_QUERIES, RECONSTRUCTION_QUERIES),
 }
 _HOW = {
     REFERENCE_QUERIES: "give the merger reference_queries > 0 (its `needs` asks the cache to record "
                        "a strided sample of each layer's prefill queries)",
+    WINDOW_QUERIES: "give the merger reference_queries > 0 (with queries='window' its `needs` asks the "
+                    "cache for that many of each layer's last queries, query_window)",
     RECONSTRUCTION_QUERIES: "put the reconstruction scorer (issue 18) in the pipeline, which records "
                             "the queries of its repeat-the-context pass",
 }
@@ -50,7 +54,8 @@ def cluster_index(parent: Tensor) -> Tensor:
     return torch.where(parent >= 0, out_index.gather(-1, parent.clamp(min=0)), -1)
 
 
-def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted merger") -> Tensor:
+def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted merger",
+                    limit: int | None = None) -> Tensor:
     """The reference queries of ``names`` in extras, concatenated and grouped by KV head:
     [B, Hq, R, D] -> [B, H, G * R, D] (query head h * G + g belongs to KV head h)."""
     B, H, _, D = state.keys.shape
@@ -63,6 +68,8 @@ def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted m
                 and q.shape[1] % H == 0 and q.shape[2] >= 1, f"{who}: state.extras[{name!r}]",
                 tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__,
                 f"a tensor [B={B}, Hq (a multiple of {H}), R >= 1, D={D}]")
+        if name == WINDOW_QUERIES and limit is not None:
+            q = q[:, :, -limit:]  # other strategies may have asked for a longer window
         parts.append(q.reshape(B, H, -1, D))
     return torch.cat(parts, dim=2).to(state.keys.device)
 
@@ -72,9 +79,11 @@ def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted m
 class FittedMerger:
     """Fit each merged slot's attention bias and value (optionally key) to its cluster.
 
-    queries:           "prefill" (extras["reference_queries"]), "reconstruction"
-                       (extras["reconstruction_queries"]) or "both"
-    reference_queries: R, prefill queries the cache records per layer (strided, last included)
+    queries:           "prefill" (extras["reference_queries"]), "window" (the last R queries,
+                       extras["queries"]), "reconstruction" (extras["reconstruction_queries"])
+                       or "both" (prefill and reconstruction)
+    reference_queries: R, prefill queries the cache records per layer (strided, last included;
+                       the last R with queries="window")
     key:               "mean" (the size-weighted mean key) or "attention" (weighted by the
                        attention the reference queries pay to each member)
     power:             a query's weight is the cluster's share of its attention row ** power
@@ -101,12 +110,14 @@ class FittedMerger:
     @property
     def needs(self) -> Needs:
         """Prefill reference queries when they are used (the reconstruction scorer records its own)."""
+        if self.queries == "window":
+            return Needs(query_window=self.reference_queries)
         return Needs(reference_queries=self.reference_queries if self.queries != "reconstruction" else 0)
 
     def __call__(self, state: KVState, parent: Tensor) -> KVState:
         if is_identity_plan(state, parent):
             return state
-        queries = grouped_queries(state, QUERY_SOURCES[self.queries])
+        queries = grouped_queries(state, QUERY_SOURCES[self.queries], limit=self.reference_queries)
         # the proportional prior weighs a slot by its attention bias (a slot of bias beta is
         # exp(beta) copies for attention), not by its token count: the two differ once fitted
         merged = apply_merge_plan(state.replace(counts=None), parent)

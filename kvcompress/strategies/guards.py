@@ -5,11 +5,13 @@
   signals of all layers (the question's attention, digit-bearing tokens, novelty); see
   ``kvcompress.strategies.sentences``.
 
-A guard with ``cross_layer = True`` is prepared by ``Pipeline.prepare(states)`` with the states of
-every layer before any layer is compressed (the transformers cache does this at the end of the
-prefill); used alone on one layer, the pipeline prepares it from that layer. A guard with
-``persistent = True`` has its slots marked in ``extras["guarded"]``, so later compressions (decode
-time, another pipeline instance) keep them without deciding again.
+A guard with ``prepare(states, budget, already)`` and ``prepared_for(state)`` (the
+``kvcompress.protocols.CrossLayerGuard`` protocol) is prepared by ``Pipeline.prepare(states)`` with
+the states of every layer before any layer is compressed (the transformers cache does this at the
+end of the prefill; the pipeline's needs then include ``all_layers``); used alone on one layer, the
+pipeline prepares it from that layer. A guard with ``persistent = True`` (``PersistentGuard``) has
+its slots marked in ``stats["guarded"]``, so later compressions (decode time, another pipeline
+instance) keep them without deciding again.
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ class SentenceGuard:
     ends:        characters that end a sentence
     """
 
-    cross_layer = True
     persistent = True
 
     def __init__(self, signals: Sequence[str] = ("query", "literal"), share: float = 0.4, skip_layers: int = 2,

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
 from ..validation import check_choice, check_range, require
@@ -30,14 +31,12 @@ from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_s
 
 STAT = "reconstruction"
 REDUCES = ("mean", "sum", "max")
+HEAD_BUDGETS = ("uniform", "adaptive")
 
 
 def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> Tensor:
     """[B, H, N] float32: the state's reconstruction statistic; a ValueError saying how to get it."""
-    stats = getattr(state, "stats", None)
-    x = stats.get(STAT) if isinstance(stats, dict) else None
-    if x is None:
-        x = state.extras.get(STAT)
+    x = state.stats.get(STAT)
     require(x is not None, f"{who}: state.stats[{STAT!r}]", None,
             "reconstruction scores of the layer: they come from a model pass after the prefill "
             "(kvcompress.hf.reconstruct; a CompressedCache bound to the model runs it); a pipeline used "
@@ -47,19 +46,6 @@ def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> T
     return x.float()
 
 
-def _model_pass_needs():
-    """Needs(model_pass=True) when the core declares it (the contract of the transformers
-    integration), else None."""
-    try:
-        from ..protocols import Needs  # noqa: PLC0415
-    except ImportError:
-        return None
-    try:
-        return Needs(model_pass=True)
-    except TypeError:
-        return None
-
-
 @register_scorer("reconstruction")
 @dataclass(frozen=True)
 class ReconstructionScorer:
@@ -67,18 +53,15 @@ class ReconstructionScorer:
     context-reconstruction pass (max over the query heads of its KV group). A merged slot scores
     the sum of its members' scores. Needs the model pass (``needs.model_pass``)."""
 
-    @property
-    def needs(self):
-        return _model_pass_needs()
-
-    requires_model_pass = True
+    needs = Needs(model_pass=True)
 
     def __call__(self, state: KVState) -> Tensor:
         return reconstruction_stat(state)
 
 
 # ---------------------------------------------------------------------------- Ada-KV
-def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float = 0.2) -> Tensor:
+def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float = 0.2,
+                  rectangular: bool = False) -> Tensor:
     """[B, H, N] bool: Ada-KV's per-head budgets, one top-k over all heads of a layer.
 
     scores: [B, H, N] (higher = keep); free: [B, H, N] bool candidates; quota: [B, H] long slots
@@ -87,6 +70,11 @@ def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float
     sum_h quota - what the floors took, goes to the best remaining candidates of any head. The
     kept count per (b, head) varies; its sum over heads equals sum_h quota (or every candidate,
     when fewer).
+
+    rectangular: the padded tensor counts toward the budget (no head above its quota): the one
+    score threshold over the layer is lowered only until the first head reaches its quota, so
+    every head keeps at most its quota and the layer tensor (padded to its longest head) is the
+    uniform budget. Each head then keeps a best-first prefix of what uniform selection keeps.
     """
     from .eviction import rank_desc
 
@@ -96,6 +84,17 @@ def adaptive_keep(scores: Tensor, free: Tensor, quota: Tensor, head_floor: float
     floor = torch.floor(quota.double() * head_floor + 1e-9).long()[..., None]  # [B, H, 1]
     keep = free & (rank_desc(scores, free) < floor)
     rest = free & ~keep
+    if rectangular:
+        if N == 0:
+            return keep
+        need = (quota[..., None] - floor).clamp(min=0)  # [B, H, 1] slots each head may still take
+        rank = rank_desc(scores, rest)
+        key = torch.where(rest, scores.float().nan_to_num(nan=float("-inf")), float("-inf"))
+        order = key.sort(-1, descending=True).values  # [B, H, N]
+        fills = (need > 0) & (rest.sum(-1, keepdim=True) >= need)  # heads that can reach their quota
+        at = torch.where(fills, order.gather(-1, (need - 1).clamp(min=0)), float("-inf"))
+        thr = at.amax(dim=1, keepdim=True)  # [B, 1, 1]: the first head to fill decides
+        return keep | (rest & (rank < need) & (key >= thr))
     left = (quota.sum(-1) - keep.sum(dim=(1, 2))).clamp(min=0)  # [B]
     ranks = rank_desc(scores.reshape(B, 1, H * N), rest.reshape(B, 1, H * N)).view(B, H, N)
     return keep | (rest & (ranks < left[:, None, None]))
@@ -113,6 +112,11 @@ class ImportanceGuard:
     window_share: fraction of that budget that each (layer, KV head) gives to the tokens the last
             prompt queries attend to most (SnapKV's score, kernel 7; needs query_window > 0), after
             the sentences and the per-head tokens: what the text right before the next input needs
+    head_budget: how ``token_share`` is split over the KV heads of a layer: "uniform" (each head
+            its share) or "adaptive" (Ada-KV: one top-k over all heads of the layer, so heads whose
+            importance is concentrated give tokens to the others; a head takes at most twice its
+            share). The merger still fills every head to the same slot count, so the layer tensor
+            stays rectangular at the budget: the per-head budget is of exact tokens, not of memory
     reduce: a sentence's score from its tokens' importance (importance of a token = its
             reconstruction score summed over every layer and KV head): "mean" (importance per
             token of budget spent), "sum" or "max"
@@ -120,23 +124,25 @@ class ImportanceGuard:
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
     window) fit the allowance; a sentence too long for what is left is skipped. Decided once per
-    sequence from every layer (``cross_layer``) and remembered by the cache (``persistent``).
+    sequence from every layer (``prepare``: a ``CrossLayerGuard``) and remembered by the cache
+    (``persistent``).
     """
 
-    cross_layer = True
     persistent = True
-    requires_model_pass = True
 
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
-                 window_share: float = 0.0, ends: Sequence[str] = SENTENCE_ENDS):
+                 window_share: float = 0.0, head_budget: str = "uniform", ends: Sequence[str] = SENTENCE_ENDS):
         check_range("share", share, 0.0, 1.0)
         check_range("token_share", token_share, 0.0, 1.0)
         check_range("window_share", window_share, 0.0, 1.0)
         require(share + token_share + window_share <= 1.0 + 1e-9, "token_share", token_share,
                 f"at most 1 - share - window_share = {1.0 - share - window_share:g} (one budget for all three)")
         self.token_share, self.window_share = float(token_share), float(window_share)
+        check_choice("head_budget", head_budget, HEAD_BUDGETS)
+        self.head_budget = head_budget
         self._window: Tensor | None = None
         self._tokens: Tensor | None = None  # [B] tokens per head given to the per-head choice
+        self._cap: Tensor | None = None  # [B] most tokens one head may take with head_budget="adaptive"
         check_choice("reduce", reduce, REDUCES)
         ends = tuple(ends)
         require(len(ends) > 0 and all(isinstance(e, str) and e for e in ends), "ends", ends,
@@ -146,11 +152,10 @@ class ImportanceGuard:
         self._keep: Tensor | None = None
 
     def __repr__(self) -> str:
-        return f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share})"
+        return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
+                f"window_share={self.window_share}, head_budget={self.head_budget!r})")
 
-    @property
-    def needs(self):
-        return _model_pass_needs()
+    needs = Needs(model_pass=True)
 
     def prepared_for(self, state: KVState) -> bool:
         ids = self._ids
@@ -186,6 +191,7 @@ class ImportanceGuard:
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
         self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
+        self._cap = (room - allowance - self._window).clamp(min=0)  # what sentences and window leave
 
     def chosen_tokens(self) -> Tensor | None:
         """[B, T0] bool: tokens of the chosen sentences (None before ``prepare``)."""
@@ -205,14 +211,20 @@ class ImportanceGuard:
             from .eviction import rank_desc
 
             free = state.valid & ~mask
-            rank = rank_desc(reconstruction_stat(state, "importance guard"), free)
-            mask |= free & (rank < self._tokens.to(rank.device)[:, None, None])
+            scores = reconstruction_stat(state, "importance guard")
+            rank = rank_desc(scores, free)
+            tokens = self._tokens.to(rank.device)[:, None, None]  # [B, 1, 1]
+            if self.head_budget == "adaptive":
+                cap = torch.minimum(2 * tokens, self._cap.to(rank.device)[:, None, None])
+                capped = free & (rank < cap)
+                mask |= adaptive_keep(scores, capped, tokens[..., 0].expand(B, H), head_floor=0.0)
+            else:
+                mask |= free & (rank < tokens)
         if self.window_share > 0:
-            from ..registry import SCORERS
             from .eviction import rank_desc
 
             free = state.valid & ~mask
-            rank = rank_desc(SCORERS.create("snapkv", {"kernel_size": 7})(state), free)
+            rank = rank_desc(_window_scorer()(state), free)
             mask |= free & (rank < self._window.to(rank.device)[:, None, None])
         return mask
 
@@ -229,18 +241,8 @@ def token_importance(states: Sequence[KVState], num_tokens: int) -> Tensor:
     return out
 
 
-def pipeline_needs_model_pass(config) -> bool:
-    """True when a PipelineConfig uses a strategy that reads the reconstruction statistic
-    (the reconstruction scorer, or the importance guard)."""
-    def uses(spec) -> bool:
-        if spec is None:
-            return False
-        if spec.name == "importance":
-            return True
-        for value in spec.params.values():
-            name = value.get("name") if isinstance(value, dict) else getattr(value, "name", value)
-            if name == "reconstruction":
-                return True
-        return False
+def _window_scorer():
+    """SnapKV's score (kernel 7) for the guard's ``window_share``."""
+    from ..registry import SCORERS
 
-    return uses(config.clusterer) or any(uses(g) for g in config.guards) or uses(config.chunker)
+    return SCORERS.create("snapkv", {"kernel_size": 7})

@@ -85,8 +85,11 @@ def window_attention(
     valid = state.valid
     bias = state.log_sizes if proportional else torch.zeros_like(state.log_sizes)
     bias = bias.masked_fill(~valid, float("-inf"))  # [B, H, N]
-    visible = state.positions[:, :, None, :] <= qpos[None, None, :, None]  # [B, H, W, N]
-    bias = bias[:, :, None, :].masked_fill(~visible, float("-inf"))  # [B, H, W, N]
+    # only slots later than the window's first query can be hidden from a query: the [W, N]
+    # causal mask is built over those columns alone (at prefill, the window's own W slots)
+    late = (state.positions > qpos[0]).flatten(0, 1).any(0).nonzero()  # columns some query may not see
+    tail = slice(int(late[0, 0]) if late.numel() else N, N)
+    visible = state.positions[:, :, None, tail] <= qpos[None, None, :, None]  # [B, H, W, N_tail]
     q_real = (qpos[None, :] >= state.start()[:, None]).float()  # [B, W]
     q = queries.reshape(B, H, G, W, D).float()
 
@@ -94,14 +97,18 @@ def window_attention(
     step = max(1, _BLOCK_ELEMENTS // max(1, B * G * W * N))
     for h0 in range(0, H, step):
         hs = slice(h0, min(H, h0 + step))
-        logits = torch.einsum("bhgwd,bhnd->bhgwn", q[:, hs], keys[:, hs].float()) * scale
-        logits = logits + bias[:, hs, None]
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query seeing nothing gives 0
-        probs = probs * q_real[:, None, None, :, None]
+        # in place: the same values as (qk * scale + bias, masked) without three more [G, W, N] buffers
+        logits = torch.einsum("bhgwd,bhnd->bhgwn", q[:, hs], keys[:, hs].float()).mul_(scale)
+        logits.add_(bias[:, hs, None, None, :])
+        logits[..., tail].masked_fill_(~visible[:, hs, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query seeing nothing gives 0
+        probs.mul_(q_real[:, None, None, :, None])
         out[:, hs] = probs.sum(dim=(2, 3))
     if reduce == "mean":
-        seen = (visible & (q_real[:, None, :, None] > 0)).sum(2) * G  # [B, H, N] queries seeing a slot
-        out = out / seen.clamp(min=1)
+        # [B, H, N] queries seeing a slot: every real query for the slots before the tail
+        seen = (q_real > 0).sum(-1)[:, None, None].expand(B, H, N).clone()
+        seen[..., tail] = (visible & (q_real[:, None, :, None] > 0)).sum(2)
+        out = out / (seen * G).clamp(min=1)
     return out
 
 

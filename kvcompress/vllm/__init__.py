@@ -13,7 +13,7 @@ that compress after the prefill), ``plugin`` (the ``vllm.general_plugins`` entry
 
 from __future__ import annotations
 
-from .settings import CONFIG_KEY, Settings, freed_blocks, kept_slots
+from .settings import CONFIG_KEY, BlockRule, Settings
 
 
 def engine_kwargs(preset: str | None = "semanticache", budget: float | int | None = 0.25, *,
@@ -47,4 +47,4 @@ def request_args(preset: str, budget: float | int | None = None, **overrides) ->
     return {CONFIG_KEY: data}
 
 
-__all__ = ["engine_kwargs", "request_args", "Settings", "kept_slots", "freed_blocks", "CONFIG_KEY"]
+__all__ = ["engine_kwargs", "request_args", "Settings", "BlockRule", "CONFIG_KEY"]

@@ -13,7 +13,7 @@ every vLLM process:
   the block-mask index table padded to cover the whole cache, and empty "full block" tables.
 - ``CompressedAttentionSpec`` (a FullAttentionSpec carrying the engine's block rule) is what the
   backend's ``customize_spec`` gives every layer, and ``CompressedAttentionManager`` is its
-  manager: once a request's prompt is processed, its leading ``freed_blocks(P)`` blocks go back
+  manager: once a request's prompt is processed, its leading ``BlockRule.freed(P)`` blocks go back
   to the pool through ``remove_skipped_blocks`` (replaced by the null block, positions kept).
 """
 
@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import register_kv_cache_spec
 
 from . import runtime
-from .settings import Settings, freed_blocks
+from .settings import BlockRule, Settings
 
 
 # ---------------------------------------------------------------------------- scheduler side
@@ -48,14 +48,20 @@ class CompressedAttentionManager(FullAttentionManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        spec = self.kv_cache_spec
-        if not getattr(spec, "kvc_free_blocks", False) or num_prompt_tokens is None:
+        rule = self._kvc_rule()
+        if not rule.frees or num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
             return
-        if processed_computed_tokens < num_prompt_tokens:
-            return
-        dead = freed_blocks(num_prompt_tokens, spec.kvc_settings().config(), self.block_size)
+        dead = rule.freed(num_prompt_tokens, self.block_size)
         if dead > 0:
             self._remove_blocks_in_range(request_id, 0, dead)
+
+    def _kvc_rule(self) -> BlockRule:
+        rule = self.__dict__.get("_kvc_block_rule")
+        if rule is None:  # built once: the spec is fixed for the engine's life
+            spec = self.kv_cache_spec
+            rule = BlockRule.of(spec.kvc_settings()) if isinstance(spec, CompressedAttentionSpec) else BlockRule()
+            self._kvc_block_rule = rule
+        return rule
 
 
 @register_kv_cache_spec(manager_class=CompressedAttentionManager, uniform_type_base_spec=FullAttentionSpec)

@@ -45,13 +45,39 @@ class CompactionResult:
     valid_slots: list[float]  # mean slots holding tokens per head, per layer
     start: int  # first position holding a slot in any layer (min_l P - n_l)
     dead_blocks: int  # leading blocks holding no slot
+    trimmed_layers: int = 0  # layers the pipeline left above max_slots, cut by keep_within
+
+
+def keep_within(state: KVState, limit: int, sinks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """keys, values [B, H, limit, D] and log_sizes [B, H, limit] of the ``limit`` slots per head
+    that a compressed state keeps when it is still above ``limit`` (a budget the pipeline could
+    not reach, e.g. more protected slots than the budget, while the scheduler has already freed
+    the blocks for the rest): the ``sinks`` earliest slots, then the most recent ones, in position
+    order (padding last)."""
+    valid = state.valid  # [B, H, N]
+    pos = state.positions.to(torch.float64)
+    inf = float("inf")
+    rank = torch.where(valid, pos, inf).argsort(-1).argsort(-1)  # 0 = the earliest valid slot
+    # sinks rank above every position (the earliest first), then the latest positions
+    top = float(state.num_tokens + sinks)
+    key = torch.where(rank < sinks, top - rank.to(torch.float64), pos).masked_fill(~valid, -inf)
+    idx = key.topk(limit, dim=-1).indices  # [B, H, limit]
+    order = torch.where(valid.gather(-1, idx), pos.gather(-1, idx), inf).argsort(-1)
+    idx = idx.gather(-1, order)
+    D = state.keys.shape[-1]
+    keys = state.keys.gather(2, idx[..., None].expand(*idx.shape, D))
+    values = state.values.gather(2, idx[..., None].expand(*idx.shape, state.values.shape[-1]))
+    return keys, values, state.log_sizes.gather(-1, idx)
 
 
 def read_states(layers: list[PagedLayer], slots: Tensor, token_ids: Tensor | None, vocab,
-                queries: list[Tensor | None] | None = None) -> list[KVState]:
+                queries: list[Tensor | None] | None = None,
+                reference: list[Tensor | None] | None = None) -> list[KVState]:
     """The prompt of every layer as an uncompressed KVState (B = 1).
 
-    token_ids: [P] long or None; queries: per layer [W, Hq, D] (the last W prompt queries) or None.
+    token_ids: [P] long or None; queries: per layer [W, Hq, D] (the last W prompt queries) or
+    None -> extras["queries"]; reference: per layer [R, Hq, D] (queries strided over the prompt)
+    or None -> extras["reference_queries"] (rotated, unscaled, as the transformers path records).
     """
     states = []
     ids = None if token_ids is None else token_ids.reshape(1, -1).long()
@@ -59,39 +85,47 @@ def read_states(layers: list[PagedLayer], slots: Tensor, token_ids: Tensor | Non
         k = layer.keys[slots].permute(1, 0, 2)[None]  # [1, H, P, D]
         v = layer.values[slots].permute(1, 0, 2)[None]
         state = KVState.from_raw(k.clone(), v.clone(), token_ids=ids, vocab=vocab)
-        q = None if queries is None else queries[i]
-        if q is not None:
-            state = state.replace(extras={**state.extras, "queries": q.permute(1, 0, 2)[None].contiguous()})
-        states.append(state)
+        extras = dict(state.extras)
+        for key, per_layer in (("queries", queries), ("reference_queries", reference)):
+            q = None if per_layer is None else per_layer[i]
+            if q is not None:
+                extras[key] = q.permute(1, 0, 2)[None].contiguous()  # [1, Hq, W, D]
+        states.append(state.replace(extras=extras))
     return states
 
 
 def compress_prompt(pipeline: Pipeline, layers: list[PagedLayer], slots: Tensor, block_size: int, *,
-                    token_ids: Tensor | None = None, vocab=None, queries=None,
+                    token_ids: Tensor | None = None, vocab=None, queries=None, reference=None,
                     max_slots: int | None = None) -> CompactionResult:
     """Compress the prompt held at ``slots`` ([P] physical slots, in position order) in every
     layer, write the result back compacted to the end, and set the bias.
 
-    max_slots: the most slots a layer may keep (the scheduler's block rule); a pipeline that
-    keeps more raises ValueError before anything is written.
+    max_slots: the most slots a layer may keep (the scheduler's block rule); a layer the pipeline
+    leaves above it (a budget it could not reach) is cut to it by ``keep_within``.
     All-or-nothing: every layer is compressed before any is written.
     """
     P = int(slots.numel())
-    states = read_states(layers, slots, token_ids, vocab, queries)
+    states = read_states(layers, slots, token_ids, vocab, queries, reference)
     if pipeline.needs_all_layers:
         pipeline.prepare(states)
     results = [pipeline.compress(state, layer_idx)[0] for layer_idx, state in enumerate(states)]
-    counts = [r.num_slots for r in results]
     limit = P if max_slots is None else max_slots
-    require(max(counts) <= limit, "slots", max(counts),
-            f"at most {limit} slots per layer after compressing {P} tokens (the freed-block rule)")
+    written, trimmed = [], 0
+    for new in results:
+        if new.num_slots > limit:
+            written.append(keep_within(new, limit, pipeline.config.sinks))
+            trimmed += 1
+        else:
+            written.append((new.keys, new.values, new.log_sizes))
     use_sizes = pipeline.config.proportional_attention
-    for layer, new in zip(layers, results):
-        n = new.num_slots
+    counts = []
+    for layer, (k, v, log_sizes) in zip(layers, written):
+        n = k.shape[2]
+        counts.append(n)
         keep = slots[P - n:]
-        layer.keys[keep] = new.keys[0].permute(1, 0, 2).to(layer.keys.dtype)
-        layer.values[keep] = new.values[0].permute(1, 0, 2).to(layer.values.dtype)
-        bias = new.log_sizes[0].t()  # [n, H]
+        layer.keys[keep] = k[0].permute(1, 0, 2).to(layer.keys.dtype)
+        layer.values[keep] = v[0].permute(1, 0, 2).to(layer.values.dtype)
+        bias = log_sizes[0].t()  # [n, H]: the per-slot bias (log-size or fitted)
         if not use_sizes:
             bias = torch.where(bias == NEG_INF, NEG_INF, 0.0)
         layer.bias[keep] = bias.to(layer.bias.dtype)
@@ -99,6 +133,6 @@ def compress_prompt(pipeline: Pipeline, layers: list[PagedLayer], slots: Tensor,
     start = P - max(counts)
     return CompactionResult(
         slots_per_layer=counts,
-        valid_slots=[float(r.valid.sum(-1).float().mean()) for r in results],
-        start=start, dead_blocks=start // block_size,
+        valid_slots=[float((b > NEG_INF).sum(-1).float().mean()) for _, _, b in written],
+        start=start, dead_blocks=start // block_size, trimmed_layers=trimmed,
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .settings import CONFIG_KEY, Settings, freed_blocks, kept_slots
+from .settings import BlockRule, Settings
 
 logger = logging.getLogger("kvcompress.vllm")
 
@@ -33,7 +33,7 @@ def install(state: "WorkerState | None") -> None:
 @dataclass
 class StepPlan:
     dead_blocks: Tensor | None  # [num_reqs] long: leading blocks no longer attended, per batch row
-    captures: tuple = ()  # (req_id, start, stop): rows of this step's query tensor to keep
+    captures: tuple = ()  # (req_id, rows [k], positions [k]): rows of this step's query tensor to keep
     finishing: tuple = ()  # (req_id, prompt_tokens): prompts completed by this step
 
 
@@ -56,11 +56,24 @@ class WorkerState:
     bias: Tensor | None = None  # [num_slots, L * H_kv] float32
     layer_index: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     records: dict = field(default_factory=dict)  # req_id -> Record
-    queries: dict = field(default_factory=dict)  # (req_id, layer) -> [W, Hq, D]
+    queries: dict = field(default_factory=dict)  # (req_id, layer) -> [(positions [k], queries [k, Hq, D])]
+    chosen: dict = field(default_factory=dict)  # req_id -> (Settings, Pipeline) while its prompt is prefilled
     scheduled: dict | None = None  # req_id -> tokens scheduled in the step being run
     plan: StepPlan | None = None
-    history: list = field(default_factory=list)  # (req_id, Record, seconds, valid slots) per compression
+    history: list = field(default_factory=list)  # (req_id, Record, seconds, valid slots, trimmed) per compression
     max_batch: int = 0  # most requests in one step's batch (concurrency)
+    pipelines: dict = field(default_factory=dict)  # settings key -> Pipeline (built once)
+    rule: BlockRule = field(init=False)  # the engine's block rule (what the scheduler frees)
+
+    def __post_init__(self):
+        self.rule = BlockRule.of(self.settings)
+
+    def pipeline(self, settings: Settings):
+        """The Pipeline of ``settings`` (None: no compression), built once per setting."""
+        key = settings.key()
+        if key not in self.pipelines:
+            self.pipelines[key] = settings.pipeline()
+        return self.pipelines[key]
 
     def ensure_bias(self, num_slots: int, columns: int, device) -> None:
         if self.bias is None or self.bias.shape != (num_slots, columns):
@@ -71,18 +84,19 @@ class WorkerState:
     def request_settings(self, req_state) -> Settings:
         """The engine setting, or the request's ``extra_args["kvcompress"]``, capped to what the
         scheduler's block rule leaves room for."""
-        params = getattr(req_state, "sampling_params", None)
-        extra = getattr(params, "extra_args", None) or {}
-        if CONFIG_KEY not in extra:
-            return self.settings
+        params = req_state.sampling_params  # None for pooling requests
         try:
-            mine = Settings.from_mapping(extra[CONFIG_KEY], base=self.settings)
+            mine = Settings.from_extra_args(None if params is None else params.extra_args, self.settings)
+            if mine is None:
+                return self.settings
+            self.pipeline(mine)  # an unsupported pipeline is refused here, not in the worker
         except ValueError as err:
-            logger.warning("request %s: ignoring extra_args[%r]: %s", req_state.req_id, CONFIG_KEY, err)
+            logger.warning("request %s: ignoring its kvcompress extra_args: %s", req_state.req_id, err)
             return self.settings
-        if self.settings.free_blocks and self.settings.enabled:
+        if self.rule.frees:
             P = req_state.num_prompt_tokens
-            if kept_slots(P, mine.config()) > kept_slots(P, self.settings.config()):
+            mine_rule = BlockRule.of(Settings(mine.preset, mine.budget, True, mine.overrides))
+            if not mine_rule.frees or mine_rule.kept(P) > self.rule.kept(P):
                 logger.warning("request %s: budget %r keeps more slots than the engine budget %r leaves "
                                "room for once blocks are freed; using the engine setting",
                                req_state.req_id, mine.budget, self.settings.budget)
@@ -90,23 +104,31 @@ class WorkerState:
         return mine
 
     # ------------------------------------------------------------------ one step
+    def _forget(self, req_id: str) -> None:
+        self.records.pop(req_id, None)
+        self.chosen.pop(req_id, None)
+        for key in [k for k in self.queries if k[0] == req_id]:
+            del self.queries[key]
+
     def begin_step(self, scheduler_output) -> None:
         self.scheduled = dict(scheduler_output.num_scheduled_tokens)
         self.plan = None
-        self.queries.clear()
         for req_id in scheduler_output.finished_req_ids:
-            self.records.pop(req_id, None)
+            self._forget(req_id)
         # a request preempted and resumed recomputes its prompt: it will be compressed again
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, resumed in zip(cached.req_ids, _resumed_flags(cached)):
             if resumed:
-                self.records.pop(req_id, None)
+                self._forget(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            self.records.pop(new.req_id, None)
+            self._forget(new.req_id)
 
     def plan_step(self, num_reqs: int) -> StepPlan:
         """Rows of this step's batch: dead blocks per row, query rows to keep, prompts finishing.
-        Computed once per step (the first metadata build), after the runner updated its batch."""
+        Computed once per step (the first metadata build), after the runner updated its batch.
+        The query rows kept are those of the positions the pipeline asks for (the last
+        ``query_window`` prompt positions, the ``reference_queries`` strided ones), from every
+        step of a chunked prefill."""
         if self.plan is not None:
             return self.plan
         runner = self.runner
@@ -126,37 +148,76 @@ class WorkerState:
             if req is not None and rec is None and n > 0:
                 P = req.num_prompt_tokens
                 done = req.num_computed_tokens
-                if done < P <= done + n:
-                    settings = self.request_settings(req)
-                    cfg = settings.config()
-                    if cfg is not None and P >= 2:
-                        finishing.append((req_id, P, settings))
-                        if cfg.query_window > 0:
-                            stop = start + (P - done)  # rows of positions < P
-                            captures.append((req_id, max(start, stop - cfg.query_window), stop))
+                if done < P:
+                    if req_id not in self.chosen:  # decided once per prompt (warnings once too)
+                        settings = self.request_settings(req)
+                        self.chosen[req_id] = (settings, self.pipeline(settings))
+                    settings, pipeline = self.chosen[req_id]
+                    if pipeline is not None and P >= 2:
+                        wanted = wanted_positions(P, pipeline.needs)
+                        here = wanted[(wanted >= done) & (wanted < min(P, done + n))]
+                        if here.numel():
+                            captures.append((req_id, start + (here - done), here))
+                        if P <= done + n:
+                            finishing.append((req_id, P, settings))
             start += n
         self.plan = StepPlan(dead_blocks=dead if bool((dead > 0).any()) else None,
                              captures=tuple(captures), finishing=tuple(finishing))
         return self.plan
 
     def capture_queries(self, layer_idx: int, query: Tensor, captures) -> None:
-        for req_id, start, stop in captures:
-            self.queries[(req_id, layer_idx)] = query[start:stop].detach().clone()
+        """Keep this step's query rows [rows, Hq, D] of the positions each capture names."""
+        for req_id, rows, positions in captures:
+            kept = query[rows.to(query.device)].detach().clone()
+            self.queries.setdefault((req_id, layer_idx), []).append((positions, kept))
+
+    def queries_at(self, req_id: str, layer_idx: int, positions: Tensor) -> Tensor | None:
+        """[len(positions), Hq, D]: the kept queries of ``positions`` (None if none were kept)."""
+        parts = self.queries.get((req_id, layer_idx))
+        if not parts:
+            return None
+        have = torch.cat([p for p, _ in parts])
+        rows = torch.cat([q for _, q in parts])
+        index = torch.full((int(max(int(have.max()), int(positions.max())) + 1),), -1, dtype=torch.long)
+        index[have] = torch.arange(have.numel())
+        picked = index[positions]
+        if bool((picked < 0).any()):
+            return None
+        return rows[picked.to(rows.device)]
+
+    def finished(self, req_id: str) -> None:
+        """The prompt is compressed: its kept queries and its setting are no longer needed."""
+        self.chosen.pop(req_id, None)
+        for key in [k for k in self.queries if k[0] == req_id]:
+            del self.queries[key]
 
     def end_step(self) -> None:
         self.scheduled = None
         self.plan = None
-        self.queries.clear()
+
+
+def wanted_positions(prompt_tokens: int, needs) -> Tensor:
+    """[K] long, sorted, unique: the prompt positions whose queries a pipeline reads."""
+    parts = [window_positions(prompt_tokens, needs.query_window), reference_positions(prompt_tokens, needs.reference_queries)]
+    return torch.unique(torch.cat(parts))
+
+
+def window_positions(prompt_tokens: int, window: int) -> Tensor:
+    """The last ``window`` positions of the prompt (all of them when it is shorter)."""
+    return torch.arange(max(0, prompt_tokens - window), prompt_tokens) if window > 0 else torch.zeros(0, dtype=torch.long)
+
+
+def reference_positions(prompt_tokens: int, count: int) -> Tensor:
+    """``count`` positions strided evenly over the prompt, the last one included (repeats when
+    the prompt is shorter): the transformers path's rule (``kvcompress.hf.attention.strided_queries``)."""
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    frac = torch.linspace(0.0, 1.0, count, dtype=torch.float64) if count > 1 else torch.ones(1, dtype=torch.float64)
+    return torch.round(frac * (max(prompt_tokens, 1) - 1)).long().clamp(0, prompt_tokens - 1)
 
 
 def _resumed_flags(cached):
-    flags = getattr(cached, "resumed_req_ids", None)
-    if flags is not None:
-        return [rid in flags for rid in cached.req_ids]
-    flags = getattr(cached, "resumed_from_preemption", None)
-    if flags is not None:
-        return list(flags)
-    return [False] * len(cached.req_ids)
+    return [rid in cached.resumed_req_ids for rid in cached.req_ids]
 
 
-__all__ = ["WorkerState", "StepPlan", "Record", "current", "install", "freed_blocks", "kept_slots"]
+__all__ = ["WorkerState", "StepPlan", "Record", "current", "install"]

@@ -9,7 +9,8 @@ environment:
                                needs to vLLM's pool; "0": compaction only (memory-neutral)
     KVCOMPRESS_VLLM_OVERRIDES  JSON object of PipelineConfig overrides ('{"recent": 32}')
 
-Per request: ``SamplingParams(extra_args={"kvcompress": {"preset": ..., "budget": ...}})``
+Per request: ``SamplingParams(extra_args={"kvcompress": {"preset": ..., "budget": ...}})``, or
+the flat ``kvcompress_preset`` / ``kvcompress_budget`` keys (the OpenAI server's ``vllm_xargs``),
 chooses another pipeline for that request. The block rule is decided by the scheduler, which
 only knows the engine setting, so with freeing on a request may only keep as many slots as the
 engine budget allows: its budget is capped there (a warning says so).
@@ -26,8 +27,10 @@ from typing import Any, Mapping
 
 from ..api import budget_overrides
 from ..config import PipelineConfig
+from ..budget import target_slots
 from ..pipeline import Pipeline
 from ..presets import get_preset
+from ..protocols import budget_scope_of
 from ..validation import require
 
 ENV_PRESET = "KVCOMPRESS_VLLM_PRESET"
@@ -35,6 +38,7 @@ ENV_BUDGET = "KVCOMPRESS_VLLM_BUDGET"
 ENV_FREE = "KVCOMPRESS_VLLM_FREE"
 ENV_OVERRIDES = "KVCOMPRESS_VLLM_OVERRIDES"
 CONFIG_KEY = "kvcompress"  # key in additional_config and in SamplingParams.extra_args
+FLAT_PREFIX = "kvcompress_"  # flat extra_args keys (vllm_xargs of the OpenAI server)
 
 
 def parse_budget(value) -> float | int | None:
@@ -73,8 +77,13 @@ class Settings:
         cfg = self.config()
         if cfg is None:
             return None
-        check_supported(cfg)
-        return Pipeline(cfg)
+        pipeline = Pipeline(cfg)
+        check_supported(pipeline)
+        return pipeline
+
+    def key(self) -> tuple:
+        """A hashable identity of the pipeline choice."""
+        return (self.preset, self.budget, json.dumps(dict(self.overrides), sort_keys=True, default=str))
 
     def to_dict(self) -> dict:
         return {"preset": self.preset, "budget": self.budget, "free_blocks": self.free_blocks,
@@ -98,6 +107,26 @@ class Settings:
         return settings
 
     @classmethod
+    def from_extra_args(cls, extra: Mapping | None, base: "Settings") -> "Settings | None":
+        """A request's own setting from ``SamplingParams.extra_args``, or None when it has none:
+        ``{"kvcompress": {"preset": ..., "budget": ...}}`` (Python), or the flat keys
+        ``kvcompress_preset`` / ``kvcompress_budget`` / ``kvcompress_overrides`` (a JSON string),
+        which is what the OpenAI server's ``vllm_xargs`` can carry (no nested objects)."""
+        extra = extra or {}
+        if CONFIG_KEY in extra:
+            return cls.from_mapping(extra[CONFIG_KEY], base=base)
+        flat = {k[len(FLAT_PREFIX):]: v for k, v in extra.items() if k.startswith(FLAT_PREFIX)}
+        if not flat:
+            return None
+        if isinstance(flat.get("overrides"), str):
+            try:
+                flat["overrides"] = json.loads(flat["overrides"])
+            except json.JSONDecodeError:
+                raise ValueError(f"{FLAT_PREFIX}overrides={flat['overrides']!r} is invalid: expected a JSON "
+                                 "object of PipelineConfig overrides") from None
+        return cls.from_mapping(flat, base=base)
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         env = os.environ if environ is None else environ
         overrides = json.loads(env[ENV_OVERRIDES]) if env.get(ENV_OVERRIDES) else {}
@@ -116,34 +145,50 @@ class Settings:
         return env
 
 
-def check_supported(cfg: PipelineConfig) -> None:
-    """Pipelines whose statistics the vLLM plugin cannot collect are refused up front."""
-    require(not cfg.track_attention, "preset", cfg.name,
-            "a pipeline without track_attention (the vLLM plugin collects the last queries "
-            "(query_window) but not accumulated attention; use the transformers path for h2o/d2o)")
-    needs = getattr(Pipeline(cfg), "needs", None)  # the Needs contract, where the core has it
-    if needs is not None:
-        require(not getattr(needs, "model_pass", False), "preset", cfg.name,
-                "a pipeline without a model pass at the prefill's end (not available in vLLM)")
-        require(not getattr(needs, "attention", False), "preset", cfg.name,
-                "a pipeline that needs no accumulated attention statistics")
-        require(not getattr(needs, "reference_queries", 0), "preset", cfg.name,
-                "a pipeline that needs no strided reference queries")
+def check_supported(pipeline: Pipeline) -> None:
+    """Pipelines whose statistics the vLLM plugin cannot collect are refused up front: it
+    records prompt queries (``Needs.query_window``, ``Needs.reference_queries``) and nothing else."""
+    needs, name = pipeline.needs, pipeline.config.name
+    require(not needs.attention, "preset", name,
+            "a pipeline that needs no accumulated attention (the vLLM plugin records the last "
+            "queries (query_window) only; use the transformers path for h2o/d2o)")
+    require(not needs.model_pass, "preset", name,
+            "a pipeline without a model pass at the prefill's end (not available in vLLM)")
 
 
-def kept_slots(prompt_tokens: int, cfg: PipelineConfig | None) -> int:
-    """The most slots any head of any layer may hold after compressing ``prompt_tokens`` tokens:
-    the budget (Pipeline.target_slots' rule), or all tokens when the budget may be exceeded
-    (best-effort pipelines, full heads) or there is no compression."""
-    if cfg is None or cfg.full_heads or cfg.on_infeasible != "error":
-        return prompt_tokens
-    if cfg.keep_ratio is not None:
-        return min(prompt_tokens, max(1, int(prompt_tokens * cfg.keep_ratio + 1e-9)))
-    return min(prompt_tokens, cfg.max_slots)
+@dataclass(frozen=True)
+class BlockRule:
+    """The most slots a compressed prompt may keep, known before it is compressed.
 
+    The scheduler frees a prompt's leading blocks from this rule alone (it never sees the
+    compressed state), and the worker makes every layer fit it. ``frees`` False: the prompt
+    keeps every block (freeing off, no compression, full heads, or Ada-KV layer budgets, whose
+    heads may each keep up to the whole prompt).
+    """
 
-def freed_blocks(prompt_tokens: int, cfg: PipelineConfig | None, block_size: int) -> int:
-    """Leading blocks of a compressed prompt that hold no slot: the compressed slots are written
-    to the END of the prompt's range, [P - kept, P), so blocks below (P - kept) // block_size can
-    go back to the pool. The scheduler and the worker both use this one rule."""
-    return (prompt_tokens - kept_slots(prompt_tokens, cfg)) // block_size
+    keep_ratio: float | None = None
+    max_slots: int | None = None
+    frees: bool = False
+
+    @classmethod
+    def of(cls, settings: Settings) -> "BlockRule":
+        if not (settings.enabled and settings.free_blocks):
+            return cls()
+        pipeline = settings.pipeline()
+        cfg = pipeline.config
+        if cfg.full_heads or budget_scope_of(pipeline.clusterer) == "layer":
+            return cls()
+        return cls(keep_ratio=cfg.keep_ratio, max_slots=cfg.max_slots, frees=True)
+
+    def kept(self, prompt_tokens: int) -> int:
+        """Slots per head and layer a prompt of ``prompt_tokens`` tokens may keep (the
+        pipeline's own budget rule, ``kvcompress.budget.target_slots``)."""
+        if not self.frees:
+            return prompt_tokens
+        return min(prompt_tokens, target_slots(prompt_tokens, self.keep_ratio, self.max_slots))
+
+    def freed(self, prompt_tokens: int, block_size: int) -> int:
+        """Leading blocks of the prompt that hold no slot: the compressed slots are written to
+        the END of the prompt's range, [P - kept, P), so the blocks below (P - kept) // block_size
+        go back to the pool. The scheduler and the worker both use this one rule."""
+        return (prompt_tokens - self.kept(prompt_tokens)) // block_size

@@ -18,8 +18,8 @@ import torch
 
 from . import runtime
 from .compaction import PagedLayer, compress_prompt, prompt_slots
-from .runtime import Record, WorkerState, logger
-from .settings import Settings, kept_slots
+from .runtime import Record, WorkerState, logger, reference_positions, window_positions
+from .settings import Settings
 
 
 class _CompressingWorker:
@@ -35,18 +35,11 @@ class _CompressingWorker:
             settings.pipeline()  # unsupported pipelines fail at start, not in the engine loop
         num_layers = cfg.model_config.get_num_layers(cfg.parallel_config)
         self.kvc_state = WorkerState(settings=settings, block_size=cfg.cache_config.block_size, num_layers=num_layers)
-        self.kvc_pipelines: dict = {}
         self.kvc_vocab = None
         self.kvc_layers: list | None = None
         runtime.install(self.kvc_state)
 
     # ------------------------------------------------------------------ helpers
-    def _kvc_pipeline(self, settings: Settings):
-        key = (settings.preset, settings.budget, tuple(sorted(settings.overrides.items())))
-        if key not in self.kvc_pipelines:
-            self.kvc_pipelines[key] = settings.pipeline()
-        return self.kvc_pipelines[key]
-
     def _kvc_vocabulary(self):
         if self.kvc_vocab is None:
             from transformers import AutoTokenizer
@@ -90,35 +83,41 @@ class _CompressingWorker:
         bs = state.block_size
         for req_id, P, settings in plan.finishing:
             req = runner.requests[req_id]
-            pipeline = self._kvc_pipeline(settings)
-            cfg = pipeline.config
+            pipeline = state.pipeline(settings)
             start = time.perf_counter()
             device = layers[0][1].device
             slots = prompt_slots(req.block_ids[0], P, bs, device=device)
-            paged = []
-            queries = []
-            for idx, k, v, H in layers:
-                paged.append(PagedLayer(keys=k, values=v, bias=state.bias[:, idx * H:(idx + 1) * H]))
-                queries.append(state.queries.get((req_id, idx)))
-            if all(q is None for q in queries):
-                queries = None
+            paged = [PagedLayer(keys=k, values=v, bias=state.bias[:, idx * H:(idx + 1) * H]) for idx, k, v, H in layers]
+            needs = pipeline.needs
+            queries = self._kvc_queries(req_id, layers, window_positions(P, needs.query_window))
+            reference = self._kvc_queries(req_id, layers, reference_positions(P, needs.reference_queries))
             ids = torch.as_tensor(req.prompt_token_ids[:P], dtype=torch.long, device=device)
-            limit = kept_slots(P, state.settings.config()) if state.settings.free_blocks else None
-            vocab = self._kvc_vocabulary() if _needs_vocab(cfg) else None
-            try:
-                result = compress_prompt(pipeline, paged, slots, bs, token_ids=ids, vocab=vocab,
-                                         queries=queries, max_slots=limit)
-            except ValueError as err:
-                if limit is not None:
-                    # the scheduler frees the blocks in front of the budget whatever happens: a
-                    # request that cannot be compressed cannot go on
-                    raise
-                logger.warning("request %s: prompt not compressed: %s", req_id, err)
-                continue
+            # the scheduler frees the blocks in front of the engine's budget whatever happens, so
+            # every layer must fit it (compress_prompt cuts a layer the pipeline left above it)
+            limit = state.rule.kept(P) if state.rule.frees else None
+            # text-aware strategies read state.vocab; built once per worker
+            result = compress_prompt(pipeline, paged, slots, bs, token_ids=ids, vocab=self._kvc_vocabulary(),
+                                     queries=queries, reference=reference, max_slots=limit)
+            if result.trimmed_layers:
+                logger.warning("request %s: %s kept more than the %d slots the freed blocks leave in %d layers; "
+                               "cut to the sinks and the most recent slots", req_id, pipeline.config.name, limit,
+                               result.trimmed_layers)
             rec = Record(prompt_tokens=P, dead_blocks=result.dead_blocks, slots_per_layer=result.slots_per_layer,
                          settings=settings)
             state.records[req_id] = rec
-            state.history.append((req_id, rec, time.perf_counter() - start, result.valid_slots))
+            state.history.append((req_id, rec, time.perf_counter() - start, result.valid_slots,
+                                  result.trimmed_layers))
+            state.finished(req_id)
+
+    def _kvc_queries(self, req_id, layers, positions):
+        """Per layer [len(positions), Hq, D] kept queries, or None when none are asked for."""
+        if positions.numel() == 0:
+            return None
+        found = [self.kvc_state.queries_at(req_id, idx, positions) for idx, _, _, _ in layers]
+        if any(q is None for q in found):
+            raise RuntimeError(f"request {req_id}: queries of prompt positions were not kept "
+                               "(a prefill step ran without the plugin's backend?)")
+        return found
 
     def execute_model(self, scheduler_output):
         state = self.kvc_state
@@ -138,8 +137,8 @@ class _CompressingWorker:
         state = self.kvc_state
         return {"max_batch": state.max_batch, "compressions": [{"request_id": rid, "prompt_tokens": rec.prompt_tokens, "dead_blocks": rec.dead_blocks,
                  "slots_per_layer": rec.slots_per_layer, "valid_slots_per_layer": valid, "seconds": sec,
-                 "preset": rec.settings.preset, "budget": rec.settings.budget}
-                for rid, rec, sec, valid in state.history]}
+                 "preset": rec.settings.preset, "budget": rec.settings.budget, "trimmed_layers": trimmed}
+                for rid, rec, sec, valid, trimmed in state.history]}
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -148,11 +147,6 @@ class _CompressingWorker:
         if runtime.current() is self.kvc_state:
             runtime.install(None)
         unregister_backend_override()  # a later engine in this process is stock vLLM again
-
-
-def _needs_vocab(cfg) -> bool:
-    # text-aware strategies read state.vocab; giving it always is cheap once built
-    return True
 
 
 def _make(base):

@@ -48,7 +48,10 @@ def leading(a, b):
 
 
 def make_cache(model, tok, preset, budget):
-    cfg = get_preset(preset, keep_ratio=budget) if preset != "full" else get_preset("full")
+    """preset: a name, or name@key=value;key=value (get_preset overrides, e.g. merger.ridge=0)."""
+    name, _, rest = preset.partition("@")
+    over = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in rest.split(";") if kv)}
+    cfg = get_preset(name, keep_ratio=budget, **over) if name != "full" else get_preset("full")
     return CompressedCache.for_model(model, tok, cfg, backend="sdpa")
 
 
@@ -83,12 +86,13 @@ def fidelity(a, model, tok, store, done):
                     feed(model, cache, pre)
                     prefill_s = time.perf_counter() - t
                     keep = keep_of(cache)
-                    gen_cache = __import__("copy").deepcopy(cache)
                     cache.enabled = False
                     logits = feed(model, cache, cont, logits=True)
                 finally:
                     cache.close()
+                gen_cache = make_cache(model, tok, preset, budget)  # a second prefill (deepcopy: h13, later)
                 try:
+                    feed(model, gen_cache, pre)
                     gen, _ = greedy(model, gen_cache, ids[:, a.prefix:a.prefix + 1], a.gen_tokens)
                 finally:
                     gen_cache.close()
@@ -147,7 +151,7 @@ p.add_argument("--depths", default="0.1,0.5,0.9")
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--out", required=True)
 a = p.parse_args()
-a.presets = a.presets.split(",")
+a.presets = a.presets.split(",")  # a preset spec holds no comma
 a.budgets = [float(x) for x in a.budgets.split(",")]
 a.lengths = [int(x) for x in a.lengths.split(",")]
 a.depths = [float(x) for x in a.depths.split(",")]

@@ -23,6 +23,8 @@ p.add_argument("--variants", default='{"mean": null, "fitted": {}}')
 p.add_argument("--R", type=int, default=64)
 p.add_argument("--layers", default=None)
 p.add_argument("--out", default=None)
+p.add_argument("--per-layer", action="store_true")
+p.add_argument("--windows", type=int, default=None)
 a = p.parse_args()
 torch.set_num_threads(1)
 data = torch.load(a.data)
@@ -50,7 +52,7 @@ for preset in a.presets.split(","):
             num = den = 0.0
             per_layer = []
             t_compress = 0.0
-            for w in data["windows"]:
+            for w in data["windows"][: a.windows]:
                 Q, K, V, ids = w["q"], w["k"], w["v"], w["ids"]
                 L = Q.shape[0]
                 layers = range(L) if a.layers is None else [int(x) for x in a.layers.split(",")]
@@ -87,6 +89,8 @@ for preset in a.presets.split(","):
                     e = float((oc - of).square().sum()) / float(of.square().sum())
                     per_layer.append(e)
             results[(preset, budget, vname)] = (sum(per_layer) / len(per_layer), t_compress)
+            if a.per_layer:
+                print(vname, " ".join(f"{x:.4f}" for x in per_layer))
             print(f"{preset:24s} {budget:5.2f} {vname:12s} rel.sq.err {sum(per_layer)/len(per_layer):.5f}  compress {t_compress:.1f}s", flush=True)
 if a.out:
     json.dump([{"preset": k[0], "budget": k[1], "variant": k[2], "err": v[0], "compress_s": v[1]} for k, v in results.items()],

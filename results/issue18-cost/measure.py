@@ -45,6 +45,8 @@ def main():
         "subsample 0.5": dict(chunk=512, subsample=0.5),
         "subsample 0.25": dict(chunk=512, subsample=0.25),
         "first half of the layers": dict(chunk=512, layers=list(range(L // 2))),
+        "last half of the layers": dict(chunk=512, layers=list(range(L // 2, L))),
+        "subsample 0.5, first half": dict(chunk=512, subsample=0.5, layers=list(range(L // 2))),
     }
     rows = []
     load_before = os.getloadavg()
@@ -63,7 +65,7 @@ def main():
             for name, kw in variants.items():
                 res = reconstruction_scores(model, snap.states, snap.token_ids, repeat_ids=repeat, **kw)
                 row = {"length": length, "rep": rep, "tokens": int(snap.token_ids.shape[1]), "variant": name,
-                       "params": kw if "layers" not in kw else {**kw, "layers": f"0..{L // 2 - 1}"},
+                       "params": kw if "layers" not in kw else {**kw, "layers": f"{kw['layers'][0]}..{kw['layers'][-1]}"},
                        "prefill_s": round(prefill_s, 3), "pass_s": round(res.seconds, 3),
                        "ratio": round(res.seconds / prefill_s, 3), "tokens_fed": res.tokens, "chunks": res.chunks}
                 if ref is None:
@@ -92,7 +94,7 @@ def quality(ref, res, snap, tok):
     T = snap.token_ids.shape[1]
     chosen = []
     for r in (ref, res):
-        states = [st.replace(extras={"reconstruction": s}) for st, s in zip(snap.states, r.scores) if s is not None]
+        states = [st.replace(stats={"reconstruction": s}) for st, s in zip(snap.states, r.scores) if s is not None]
         g = ImportanceGuard(share=1.0)
         g.prepare(states, torch.tensor([T // 4]), torch.zeros(1, T, dtype=torch.bool))
         chosen.append(g.chosen_tokens()[0])

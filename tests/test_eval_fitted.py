@@ -1,0 +1,156 @@
+"""The evaluation runs the fitted presets: the recorder records their reference queries, a copy
+holds what a real prefill holds, and fidelity / agreement / the importance-guided variants run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcompress.config import StrategySpec
+from kvcompress.eval.agreement import agreement_windows, run_agreement
+from kvcompress.eval.caches import Recorder, compressed_copy, recording_needs
+from kvcompress.eval.data import Haystack
+from kvcompress.eval.fidelity import fidelity_windows, run_fidelity
+from kvcompress.eval.greedy import greedy
+from kvcompress.eval.methods import Method, parse_methods
+from kvcompress.eval.reconstruction import copy_for
+from kvcompress.eval.results import CellStore
+from kvcompress.eval.runner import Grid
+
+from test_eval_helpers import TEXT, tiny_model, tiny_tokenizer
+
+SMALL = {"recent": 8, "sinks": 2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(len(tok))
+
+
+@pytest.fixture(scope="module")
+def ids(tok):
+    return tok(TEXT, add_special_tokens=False, return_tensors="pt")["input_ids"][:, :120]
+
+
+def _config(preset: str, budget: float = 0.4):
+    return Method.parse(preset).config(budget).replace(**SMALL)
+
+
+def test_recorder_for_configs_records_the_reference_queries(model, tok, ids):
+    cfgs = [_config("centroidkv-fitted"), _config("snapkv")]
+    needs = recording_needs(cfgs)
+    assert needs.reference_queries == 64 and needs.query_window > 0
+    rec = Recorder.for_configs(model, tok, cfgs, backend="sdpa")
+    rec.feed(ids)
+    snap = rec.snapshot()
+    rec.close()
+    for st in snap.states:
+        assert st.extras["reference_queries"].shape[2] == 64
+        assert st.extras["queries"].shape[2] == needs.query_window
+
+
+@pytest.mark.parametrize("preset", ["centroidkv-fitted", "semanticache-fitted", "centroidkv-safe-fitted"])
+def test_fitted_copy_equals_compressing_in_the_prefill(model, tok, ids, preset):
+    """A copy compressed from the recorded prefill holds exactly what a real prefill's cache
+    holds (the same strided reference queries reached the merger), and decodes the same."""
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+
+    cfg = _config(preset)
+    direct = CompressedCache.for_model(model, tok, cfg, backend="sdpa")
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): direct})
+    rec = Recorder.for_configs(model, tok, [cfg], backend="sdpa")
+    rec.feed(ids)
+    snap = rec.snapshot()
+    rec.close()
+    copy = compressed_copy(model, snap, cfg)
+    mean = compressed_copy(model, snap, cfg.replace(merger=StrategySpec("mean")))
+    moved = False
+    for a, b, m in zip(direct.layers, copy.cache.layers, mean.cache.layers):
+        assert a.n == b.n and a.num_tokens == b.num_tokens
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
+        assert torch.equal(a.log_sizes, b.log_sizes) and torch.equal(a.positions, b.positions)
+        moved = moved or (b.n == m.n and not torch.equal(b.log_sizes, m.log_sizes))
+    assert moved  # the fit changed some merged slot's bias: it is not the mean merger
+    assert copy.keep_max <= 0.4 + 1e-6
+    nxt = ids[:, -1:]
+    assert greedy(model, direct, nxt, 4)[0] == greedy(model, copy.cache, nxt, 4)[0]
+    for c in (direct, copy.cache, mean.cache):
+        c.close()
+
+
+def test_a_recorder_without_reference_queries_is_a_value_error_naming_them(model, tok, ids):
+    rec = Recorder(model, tok, backend="sdpa")  # records no reference queries
+    rec.feed(ids)
+    snap = rec.snapshot()
+    rec.close()
+    with pytest.raises(ValueError, match="reference_queries == 64.*Recorder.for_configs"):
+        compressed_copy(model, snap, _config("centroidkv-fitted"))
+
+
+def test_fidelity_runs_the_fitted_presets(model, tok, tmp_path):
+    windows = fidelity_windows(tok, Haystack(TEXT, "toy"), prefix=80, continuation=20, samples=1)
+    grid = Grid(parse_methods("full,centroidkv,centroidkv-fitted,semanticache-fitted", None, SMALL), (0.5,))
+    records = run_fidelity(model, tok, windows, grid, CellStore(tmp_path, {"task": "fidelity"}), prefix=80,
+                           backend="sdpa", progress=False)
+    by = {r["preset"]: r for r in records}
+    assert set(by) == {"full", "centroidkv", "centroidkv-fitted", "semanticache-fitted"}
+    assert by["full"]["kl"] < 1e-6
+    for name in ("centroidkv-fitted", "semanticache-fitted"):
+        assert math.isfinite(by[name]["kl"]) and by[name]["kl"] > 1e-9 and by[name]["keep_max"] <= 0.5 + 1e-6
+    assert by["centroidkv-fitted"]["kl"] != by["centroidkv"]["kl"]
+
+
+def test_agreement_runs_the_fitted_presets(model, tok, tmp_path):
+    windows = agreement_windows(tok, Haystack(TEXT, "toy"), length=90, samples=1)
+    grid = Grid(parse_methods("centroidkv-fitted,semanticache-safe-fitted", None, SMALL), (0.5,))
+    records = run_agreement(model, tok, windows, grid, CellStore(tmp_path, {"task": "agreement"}), new_tokens=6,
+                            chat=False, backend="sdpa", progress=False)
+    assert {r["preset"] for r in records} == {"centroidkv-fitted", "semanticache-safe-fitted"}
+    for r in records:
+        assert 0.0 <= r["lcs"] <= 1.0 and r["new_tokens"] >= 1 and r["keep_max"] <= 0.5 + 1e-6
+
+
+@pytest.mark.parametrize("queries", ["prefill", "reconstruction", "both"])
+@pytest.mark.xfail(strict=False, reason="main's eval/reconstruction.py copy path predates the redesign "
+                   "(hf.attention.STEP_KEY); h18's cb4704a replaces it with compressed_copy: drop this mark then")
+def test_importance_guided_clusters_with_the_fitted_merger(model, tok, ids, queries):
+    """kvzip-csm's clusters, slots fitted to the prefill queries, the reconstruction pass's
+    queries or both: the copy gets the right queries and equals a real prefill with the pass."""
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+
+    cfg = _config("kvzip-csm").replace(merger=StrategySpec("fitted", {"queries": queries}))
+    rec = Recorder.for_configs(model, tok, [cfg], backend="sdpa")
+    rec.feed(ids)
+    snap = rec.snapshot()
+    rec.close()
+    copy = copy_for(model, tok, snap, cfg)  # chat=None: the repeat prompt the prefill hook uses
+    mean = copy_for(model, tok, snap, cfg.replace(merger=StrategySpec("degree")))
+    assert copy.keep_max <= 0.4 + 1e-6
+    assert any(not torch.equal(a.values, b.values) for a, b in zip(copy.cache.layers, mean.cache.layers))
+    direct = CompressedCache.for_model(model, tok, cfg, backend="sdpa")
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): direct})
+    for a, b in zip(direct.layers, copy.cache.layers):
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.log_sizes, b.log_sizes, rtol=1e-5, atol=1e-5)
+    for c in (direct, copy.cache, mean.cache):
+        c.close()

@@ -1,0 +1,145 @@
+"""The reconstruction pass through the public cache API and the evaluation (tiny random Llama)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcompress.hf.reconstruct import reconstruction_scores, repeat_prompt_ids
+
+from test_eval_helpers import TEXT, tiny_model, tiny_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(len(tok), layers=2)
+
+
+def _ids(tok, n=90):
+    return torch.tensor([tok(TEXT, add_special_tokens=False)["input_ids"][:n]])
+
+
+def test_for_model_runs_the_pass_and_kvzip_keeps_the_top_scored_slots(model, tok):
+    """A kvzip cache bound to the model runs the pass at the prefill's end: each head keeps the
+    sinks plus the best-scored slots by a pass computed apart (over a plain uncompressed prefill)."""
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+
+    ids = _ids(tok)
+    T = ids.shape[1]
+    plain = CompressedCache.for_model(model, tok, None, backend="sdpa")
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): plain})
+    states = plain.states()
+    plain.close()
+    ref = reconstruction_scores(model, states, ids, repeat_ids=repeat_prompt_ids(tok)).scores
+
+    cache = CompressedCache.for_model(model, tok, "kvzip", backend="sdpa", keep_ratio=0.25)
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): cache})
+    assert cache.stats["reconstruct_s"] > 0
+    budget = int(T * 0.25)
+    sinks = cache.config.sinks
+    for i, st in enumerate(cache.states()):
+        for h in range(st.num_heads):
+            kept = set(st.positions[0, h][st.valid[0, h]].tolist())
+            assert len(kept) == budget
+            best = ref[i][0, h, sinks:].topk(budget - sinks).indices + sinks
+            assert kept == set(range(sinks)) | set(best.tolist()), (i, h)
+    assert model.config._attn_implementation == "kvcompress"  # the pass restored it
+    cache.close()
+
+
+def test_kvzip_presets_through_generate(model, tok):
+    import kvcompress
+
+    for preset in ("kvzip", "kvzip-csm", "kvzip-adakv"):
+        res = kvcompress.generate(model, tok, TEXT, preset, budget=0.25, max_new_tokens=3, question="What is",
+                                  backend="sdpa", recent=8)
+        assert res.report["budget_met"], (preset, res.report.get("budget_note"))
+        assert len(res.token_ids) >= 1
+
+
+def test_for_model_without_tokenizer_is_a_clear_error(model):
+    from kvcompress.hf import CompressedCache
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        CompressedCache.for_model(model, None, "kvzip", vocab=["x"] * model.config.vocab_size)
+    assert model.config._attn_implementation == "kvcompress"
+
+
+def test_states_without_model_access_are_a_clear_error(model, tok):
+    """A kvzip pipeline on states alone (no model pass): the scorer says where its scores come from,
+    and the cache is left as it was."""
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+
+    ids = _ids(tok, 40)
+    plain = CompressedCache.for_model(model, tok, None, backend="sdpa")
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): plain})
+    states = plain.states()
+    plain.close()
+    cache = CompressedCache.from_states(states, "kvzip", keep_ratio=0.5)
+    with pytest.raises(ValueError, match="reconstruction"):
+        cache.compress()
+    assert all(st.num_slots >= 40 and bool(st.valid.all()) for st in cache.states())
+
+
+def test_eval_niah_runs_the_pass_once_per_sample(model, tok, tmp_path, monkeypatch):
+    from kvcompress import cli_eval
+
+    monkeypatch.setattr(cli_eval, "_load", lambda args: (model, tok, 0.0))
+    monkeypatch.setattr(cli_eval, "load_tokenizer", lambda name: tok)
+    hay = tmp_path / "hay"
+    hay.mkdir()
+    (hay / "essay.txt").write_text(TEXT)
+    out = tmp_path / "out"
+    argv = ["niah", "--haystack", str(hay), "--lengths", "120", "--depths", "0.5", "--presets",
+            "full,snapkv,kvzip,kvzip-csm,kvzip-adakv", "--override", "recent=8", "--budgets", "0.25,0.5",
+            "--max-new-tokens", "2", "--no-progress", "--no-plots", "--out", str(out)]
+    assert cli_eval.main(argv) == 0
+    rows = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    passes = [r for r in rows if r["reconstruct_s"] > 0]
+    assert len({r["sample_id"] for r in rows}) == 1 and len(passes) == 1  # one pass serves every kvzip cell
+    assert passes[0]["method"].startswith("kvzip")
+    for r in rows:
+        assert r["budget_met"], r["method"]
+        if not r["method"].startswith("kvzip"):
+            assert r["reconstruct_s"] == 0
+
+
+def test_eval_agreement_runs(model, tok, tmp_path, monkeypatch):
+    from kvcompress import cli_eval
+
+    monkeypatch.setattr(cli_eval, "_load", lambda args: (model, tok, 0.0))
+    monkeypatch.setattr(cli_eval, "load_tokenizer", lambda name: tok)
+    hay = tmp_path / "hay"
+    hay.mkdir()
+    (hay / "essay.txt").write_text(TEXT * 3)
+    out = tmp_path / "agree"
+    argv = ["agreement", "--haystack", str(hay), "--length", "120", "--samples", "1", "--new-tokens", "4",
+            "--presets", "snapkv,kvzip", "--override", "recent=8", "--budgets", "0.5", "--no-progress",
+            "--no-plots", "--out", str(out)]
+    assert cli_eval.main(argv) == 0
+    rows = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} >= {"snapkv:recent=8", "kvzip:recent=8"}
+    for r in rows:
+        assert 0.0 <= r["lcs"] <= 1.0 and r["budget_met"]
