@@ -11,16 +11,22 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   best tokens per head (eviction);
 - ``kvzip-gsc`` / ``kvzip-csm``: the sentences take ``IMPORTANT_SHARE`` of the
   budget and stay exact; the rest of the cache is merged by GSC (fixed 64-token chunks, mean
-  merge) or CSM (degree-weighted), with proportional attention.
+  merge) or CSM (degree-weighted), with proportional attention;
+- ``kvzip-d2o``: the sentences take ``GUIDED_SHARE`` of the budget; the other slots are chosen
+  per head by SnapKV's score (the end of the context, what the next input needs), and each token
+  left out merges into its most similar kept token when similar enough (D2O's test, sizes and
+  proportional attention), else it is dropped: merging only the unimportant, similar slots.
 """
 
 from ..config import PipelineConfig, StrategySpec
 from . import register_preset
+from .baselines import D2O_BETA, SNAPKV_KERNEL, SNAPKV_WINDOW
 from .centroidkv import CENTROIDKV_SCHEDULE
 from .semanticache import SEMANTICACHE_RECENT, SEMANTICACHE_SINKS
 
 KVZIP_SINKS = 4  # the reconstruction scores rank sinks high anyway; a few are kept by rule
 IMPORTANT_SHARE = 0.5  # share of the budget the importance guard's sentences may take when merging
+GUIDED_SHARE = 0.2  # kvzip-d2o: sentences by importance; SnapKV's window needs the rest (dev fidelity)
 SCORER = {"name": "reconstruction"}
 
 
@@ -74,4 +80,17 @@ def kvzip_csm() -> PipelineConfig:
         name="kvzip-csm", keep_ratio=0.5, sinks=SEMANTICACHE_SINKS, recent=SEMANTICACHE_RECENT,
         chunker=StrategySpec("csm", {"size": 256}), clusterer=StrategySpec("csm", dict(CENTROIDKV_SCHEDULE)),
         merger=StrategySpec("degree"), guards=(importance_guard(),),
+    )
+
+
+@register_preset("kvzip-d2o")
+def kvzip_d2o() -> PipelineConfig:
+    """Important sentences exact (reconstruction importance), SnapKV's choice for the other slots,
+    the tokens left out merged into their most similar kept token (D2O, with sizes) or dropped."""
+    snapkv = {"name": "snapkv", "params": {"kernel_size": SNAPKV_KERNEL, "pooling": "max"}}
+    return PipelineConfig(
+        name="kvzip-d2o", keep_ratio=0.5, sinks=KVZIP_SINKS, recent=SNAPKV_WINDOW, chunker=StrategySpec("global"),
+        clusterer=StrategySpec("d2o", {"scorer": snapkv, "recent_share": 0.0}),
+        merger=StrategySpec("d2o", {"threshold": None, "beta": D2O_BETA, "proportional": True}),
+        guards=(importance_guard(GUIDED_SHARE),), query_window=SNAPKV_WINDOW, proportional_attention=True,
     )
