@@ -121,7 +121,7 @@ def test_rectangular_adaptive_keeps_every_head_within_its_quota(seed, floor, tie
 
 def test_kvzip_presets_meet_budgets():
     state, _ = with_scores(make_state(3, B=2, H=3, N=256, vocab=VOCAB, with_membership=False))
-    for name in ("kvzip", "kvzip-adakv", "kvzip-sentences", "kvzip-gsc", "kvzip-csm"):
+    for name in ("kvzip", "kvzip-adakv", "kvzip-sentences", "kvzip-gsc", "kvzip-csm", "kvzip-csm-tokens"):
         pipe = Pipeline(get_preset(name, keep_ratio=0.25, on_infeasible="error"))
         out, report = pipe.compress(state, layer_idx=0)
         assert report.budget_met, name
@@ -179,7 +179,8 @@ def test_guard_needs_reconstruction_and_bad_params():
 
 
 def test_model_pass_is_declared_through_needs():
-    for name in ("kvzip", "kvzip-adakv", "kvzip-sentences", "kvzip-gsc", "kvzip-csm"):
+    for name in ("kvzip", "kvzip-adakv", "kvzip-sentences", "kvzip-gsc", "kvzip-csm", "kvzip-csm-tokens",
+                 "kvzip-d2o", "kvzip-d2o-tokens"):
         needs = Pipeline(get_preset(name)).needs
         assert needs.model_pass and needs.all_layers, name
     for name in ("snapkv", "semanticache", "centroidkv"):

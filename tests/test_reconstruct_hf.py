@@ -70,7 +70,7 @@ def test_for_model_runs_the_pass_and_kvzip_keeps_the_top_scored_slots(model, tok
 def test_kvzip_presets_through_generate(model, tok):
     import kvcompress
 
-    for preset in ("kvzip", "kvzip-csm", "kvzip-adakv"):
+    for preset in ("kvzip", "kvzip-csm", "kvzip-adakv", "kvzip-d2o", "kvzip-d2o-tokens"):
         res = kvcompress.generate(model, tok, TEXT, preset, budget=0.25, max_new_tokens=3, question="What is",
                                   backend="sdpa", recent=8)
         assert res.report["budget_met"], (preset, res.report.get("budget_note"))

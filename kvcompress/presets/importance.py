@@ -11,21 +11,31 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   best tokens per head (eviction);
 - ``kvzip-gsc`` / ``kvzip-csm``: the sentences take ``IMPORTANT_SHARE`` of the
   budget and stay exact; the rest of the cache is merged by GSC (fixed 64-token chunks, mean
-  merge) or CSM (degree-weighted), with proportional attention.
+  merge) or CSM (degree-weighted), with proportional attention;
+- ``kvzip-d2o``: the sentences take ``GUIDED_SHARE`` of the budget; the other slots are chosen
+  per head by SnapKV's score (the end of the context, what the next input needs), and each token
+  left out merges into its most similar kept token when similar enough (D2O's test, sizes and
+  proportional attention), else it is dropped: merging only the unimportant, similar slots;
+- ``kvzip-d2o-tokens`` / ``kvzip-csm-tokens``: importance kept per (layer, KV head) as well: the
+  best tokens by reconstruction score (KVzip's own choice) take ``TOKEN_SHARE`` of the budget.
 """
 
 from ..config import PipelineConfig, StrategySpec
 from . import register_preset
+from .baselines import D2O_BETA, SNAPKV_KERNEL, SNAPKV_WINDOW
 from .centroidkv import CENTROIDKV_SCHEDULE
 from .semanticache import SEMANTICACHE_RECENT, SEMANTICACHE_SINKS
 
 KVZIP_SINKS = 4  # the reconstruction scores rank sinks high anyway; a few are kept by rule
 IMPORTANT_SHARE = 0.5  # share of the budget the importance guard's sentences may take when merging
+GUIDED_SHARE = 0.2  # kvzip-d2o: sentences by importance; SnapKV's window needs the rest (dev fidelity)
+TOKEN_SHARE = 0.5  # the -tokens presets: per-head best tokens by reconstruction score (dev fidelity, pydoc)
+TOKENS_SENTENCE_SHARE = 0.2
 SCORER = {"name": "reconstruction"}
 
 
-def importance_guard(share: float = IMPORTANT_SHARE) -> StrategySpec:
-    return StrategySpec("importance", {"share": share})
+def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
+    return StrategySpec("importance", {"share": share, **params})
 
 
 def _kvzip(name: str, **clusterer) -> PipelineConfig:
@@ -74,4 +84,36 @@ def kvzip_csm() -> PipelineConfig:
         name="kvzip-csm", keep_ratio=0.5, sinks=SEMANTICACHE_SINKS, recent=SEMANTICACHE_RECENT,
         chunker=StrategySpec("csm", {"size": 256}), clusterer=StrategySpec("csm", dict(CENTROIDKV_SCHEDULE)),
         merger=StrategySpec("degree"), guards=(importance_guard(),),
+    )
+
+
+@register_preset("kvzip-csm-tokens")
+def kvzip_csm_tokens() -> PipelineConfig:
+    """kvzip-csm with fewer sentences (``TOKENS_SENTENCE_SHARE``) and, per (layer, KV head), the
+    best tokens by reconstruction score exact (``TOKEN_SHARE``); CSM merges the rest."""
+    return kvzip_csm().replace(name="kvzip-csm-tokens",
+                               guards=(importance_guard(TOKENS_SENTENCE_SHARE, token_share=TOKEN_SHARE),))
+
+
+@register_preset("kvzip-d2o")
+def kvzip_d2o() -> PipelineConfig:
+    """Important sentences exact (reconstruction importance), SnapKV's choice for the other slots,
+    the tokens left out merged into their most similar kept token (D2O, with sizes) or dropped."""
+    return _d2o("kvzip-d2o", importance_guard(GUIDED_SHARE))
+
+
+@register_preset("kvzip-d2o-tokens")
+def kvzip_d2o_tokens() -> PipelineConfig:
+    """As kvzip-d2o, the importance kept per (layer, KV head): the best ``TOKEN_SHARE`` of the
+    budget by reconstruction score exact (KVzip's choice), no whole sentences."""
+    return _d2o("kvzip-d2o-tokens", importance_guard(0.0, token_share=TOKEN_SHARE))
+
+
+def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:
+    snapkv = {"name": "snapkv", "params": {"kernel_size": SNAPKV_KERNEL, "pooling": "max"}}
+    return PipelineConfig(
+        name=name, keep_ratio=0.5, sinks=KVZIP_SINKS, recent=SNAPKV_WINDOW, chunker=StrategySpec("global"),
+        clusterer=StrategySpec("d2o", {"scorer": snapkv, "recent_share": 0.0}),
+        merger=StrategySpec("d2o", {"threshold": None, "beta": D2O_BETA, "proportional": True}),
+        guards=(guard,), query_window=SNAPKV_WINDOW, proportional_attention=True,
     )
