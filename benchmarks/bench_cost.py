@@ -63,11 +63,11 @@ def run_cost(args) -> dict:
     snap, rec_s = prefill_snapshot(model, loaded.tokenizer, loaded.vocab, ids, [c.replace(track_attention=False)
                                                                               for c in configs.values()])
 
-    def prefill() -> float:
+    def prefill() -> tuple[float, float]:
         with plain_attention(model), torch.inference_mode():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             model.base_model(input_ids=ids, use_cache=True)
-            return time.perf_counter() - start
+            return time.perf_counter() - start, time.process_time() - cpu
 
     doc = {"benchmark": "compression cost as a share of the plain prefill", "command": " ".join(sys.argv),
            "machine": describe_machine(), "model": "smollm2", "length": args.length, "keep_ratio": args.keep,
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(doc, indent=1) + "\n")
     key = "slope" if args.scaling else "share_median"
     for name, rec in doc["presets"].items():
-        print(f"{name:28s} {key} {rec[key]:.4f}")
+        extra = f"  cpu_share_median {rec['cpu_share_median']:.4f}" if "cpu_share_median" in rec else ""
+        print(f"{name:28s} {key} {rec[key]:.4f}{extra}")
     print(f"results: {out}")
     return 0
 

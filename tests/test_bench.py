@@ -358,13 +358,22 @@ def test_cost_helpers_on_tiny_states():
                                    vocab=TINY_VOCAB)
     assert states[0].keys.shape == (1, 2, 256, 16) and states[0].extras["queries"].shape == (1, 4, 8, 16)
     configs = {n: get_preset(n, keep_ratio=0.25, on_infeasible="best_effort")
-               for n in ("semanticache-safe", "h2o", "centroidkv")}
+               for n in ("semanticache-safe", "h2o", "centroidkv", "kvzip-gsc", "centroidkv-fitted")}
     fed = cost.with_inputs(states, configs["h2o"])  # window 64 > 8: the queries are repeated
-    assert fed[0].extras["queries"].shape[2] == 64 and fed[0].extras["attn_acc"].shape == (1, 2, 256)
-    assert "attn_acc" not in states[0].extras  # the caller's states are untouched
-    doc = cost.cost_rounds(lambda: 2.0, configs, states, rounds=2)
+    assert fed[0].extras["queries"].shape[2] == 64 and fed[0].stats["attn_acc"].shape == (1, 2, 256)
+    assert "reconstruction" not in fed[0].stats  # h2o reads no reconstruction scores
+    assert "attn_acc" not in states[0].stats  # the caller's states are untouched
+    rec_fed = cost.with_inputs(states, configs["kvzip-gsc"])
+    assert rec_fed[0].stats["reconstruction"].shape == (1, 2, 256) and bool((rec_fed[0].stats["reconstruction"] >= 0).all())
+    gen = torch.Generator().manual_seed(0)
+    states = [st.replace(extras={**st.extras, "reference_queries": torch.randn(1, 4, 64, 16, generator=gen)})
+              for st in states]  # what the recorder keeps for the fitted merger
+    doc = cost.cost_rounds(lambda: (2.0, 1.0), configs, states, rounds=2)
     for name, rec in doc["presets"].items():
         assert len(rec["shares"]) == 2 and all(math.isclose(s, c / 2.0) for s, c in zip(rec["shares"], rec["compress_s"]))
+        cpu = [r["compress_cpu_s"][name] for r in doc["rounds"]]
+        assert all(math.isclose(s, c / 1.0) for s, c in zip(rec["cpu_shares"], cpu))
+    assert "cpu_share_median" not in cost.cost_rounds(lambda: 2.0, {"h2o": configs["h2o"]}, states, 1)["presets"]["h2o"]
     scal = cost.scaling({"centroidkv": configs["centroidkv"]}, [128, 256], reps=1, heads=2, head_dim=16, q_heads=4,
                         window=8)
     assert len(scal["centroidkv"]["seconds"]) == 2 and math.isfinite(scal["centroidkv"]["slope"])

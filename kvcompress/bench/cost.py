@@ -95,31 +95,43 @@ def reconstruction_seconds(model, tokenizer, states: Sequence[KVState], ids, **k
     return time.perf_counter() - start
 
 
-def cost_rounds(prefill: Callable[[], float], configs: dict, states: Sequence[KVState], rounds: int = 3,
-                log=None) -> dict:
+def cost_rounds(prefill: Callable[[], float | tuple[float, float]], configs: dict, states: Sequence[KVState],
+                rounds: int = 3, log=None) -> dict:
     """Per preset, its compression time as a share of the plain prefill, round by round.
 
-    prefill: runs one plain prefill, returns its seconds
+    prefill: runs one plain prefill, returns its seconds, or (wall, cpu) seconds
     configs: {name: PipelineConfig}
     returns  {"rounds": [...], "presets": {name: {"share_median", "shares", "compress_s", ...}}}
+
+    With CPU seconds from ``prefill`` the CPU-time shares are reported too (``cpu_share_median``):
+    on a machine with more runnable threads than cores, wall time also counts the time a job
+    waits for a core, which small memory-bound operations suffer more from than a prefill's
+    large matrix products; process time counts only the work.
     """
     doc = {"rounds": [], "presets": {}}
     for r in range(rounds):
         rec = {"round": r, "load_average_start": load_average()}
-        rec["prefill_s"] = prefill()
-        rec["compress_s"] = {}
+        got = prefill()
+        rec["prefill_s"], rec["prefill_cpu_s"] = got if isinstance(got, tuple) else (got, None)
+        rec["compress_s"], rec["compress_cpu_s"] = {}, {}
         for name, cfg in configs.items():
-            wall, _ = compression_seconds(cfg, states)
+            wall, cpu = compression_seconds(cfg, states)
             rec["compress_s"][name] = wall
+            rec["compress_cpu_s"][name] = cpu
             if log:
-                log(f"round {r} {name}: {wall:.3f} s = {wall / rec['prefill_s']:.2%} of the prefill")
+                cpu_part = f", cpu {cpu / rec['prefill_cpu_s']:.2%}" if rec["prefill_cpu_s"] else ""
+                log(f"round {r} {name}: {wall:.3f} s = {wall / rec['prefill_s']:.2%} of the prefill{cpu_part}")
         rec["load_average_end"] = load_average()
         doc["rounds"].append(rec)
     for name in configs:
         shares = [rec["compress_s"][name] / rec["prefill_s"] for rec in doc["rounds"]]
         secs = [rec["compress_s"][name] for rec in doc["rounds"]]
-        doc["presets"][name] = {"share_median": statistics.median(shares), "shares": shares,
-                                "compress_s": secs, "compress_s_median": statistics.median(secs)}
+        entry = {"share_median": statistics.median(shares), "shares": shares,
+                 "compress_s": secs, "compress_s_median": statistics.median(secs)}
+        if all(rec["prefill_cpu_s"] for rec in doc["rounds"]):
+            cpu = [rec["compress_cpu_s"][name] / rec["prefill_cpu_s"] for rec in doc["rounds"]]
+            entry.update(cpu_share_median=statistics.median(cpu), cpu_shares=cpu)
+        doc["presets"][name] = entry
     return doc
 
 
