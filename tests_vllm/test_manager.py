@@ -51,3 +51,15 @@ def test_nothing_is_freed_without_a_shrinking_budget(settings):
     free = pool.get_num_free_blocks()
     manager.remove_skipped_blocks("r", 1000, num_prompt_tokens=1000)
     assert pool.get_num_free_blocks() == free
+
+
+def test_merging_layer_specs_keeps_the_setting():
+    """vLLM merges the layers' specs of a KV-cache group with FullAttentionSpec.merge, which
+    rebuilds the spec from its own fields: the engine setting must survive it (else the
+    scheduler's manager sees no budget and frees nothing)."""
+    base = dict(block_size=BS, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    spec = CompressedAttentionSpec(**base, kvc_preset="semanticache", kvc_budget=0.25, kvc_free_blocks=True)
+    merged = CompressedAttentionSpec.merge([spec, spec])
+    assert merged == spec and BlockRule.of(merged.kvc_settings()).frees
+    with pytest.raises(ValueError, match="different kvcompress settings"):
+        CompressedAttentionSpec.merge([spec, CompressedAttentionSpec(**base, kvc_preset="full")])
