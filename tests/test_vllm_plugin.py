@@ -387,3 +387,16 @@ def test_the_serve_example_builds_the_documented_command(capsys):
     assert result["command"] in capsys.readouterr().out
     with pytest.raises(ValueError, match="preset"):
         module.main(["--preset", "h2", "--model", "/m", "--serve-command"])
+
+
+def test_reuse_of_freed_blocks_is_noticed():
+    state = WorkerState(settings=Settings("semanticache", 0.5), block_size=BS, num_layers=L)
+    runner = _runner({"old": (16, 20, None), "new": (16, 0, None)})
+    runner.requests["old"].block_ids = ([3, 4, 5, 6, 7, 8],)
+    runner.requests["new"].block_ids = ([9, 4, 10, 11],)  # block 4 came back to the pool and was reused
+    state.runner = runner
+    state.records["old"] = Record(prompt_tokens=16, dead_blocks=2, slots_per_layer=[8] * L, settings=state.settings,
+                                  freed_ids=frozenset({3, 4}))
+    state.scheduled = {"old": 1, "new": 16}
+    state.plan_step(2)
+    assert state.reused == {4}

@@ -79,6 +79,7 @@ def run_one(args) -> dict:
     return {
         "keep": args.keep, "preset": preset, "budget": budget,
         "max_concurrent_requests": report["max_batch"], "expected_concurrency": expected,
+        "reused_freed_blocks": report["reused_freed_blocks"],
         "wall_s": wall, "generated_tokens": generated, "generated_tokens_per_s": generated / wall,
         "total_tokens_per_s": (generated + P * len(prompts)) / wall,
         "blocks_per_request_full": blocks_full, "blocks_per_request_kept": blocks_kept,

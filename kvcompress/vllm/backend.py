@@ -81,6 +81,16 @@ class CompressedAttentionSpec(FullAttentionSpec):
                         overrides=json.loads(self.kvc_overrides))
 
     @classmethod
+    def merge(cls, specs: list) -> "CompressedAttentionSpec":
+        # FullAttentionSpec.merge rebuilds the spec from its own fields only: carry ours over
+        # (every layer of a group has the same engine setting)
+        ours = {f: getattr(specs[0], f) for f in ("kvc_preset", "kvc_budget", "kvc_overrides", "kvc_free_blocks")}
+        for spec in specs[1:]:
+            if any(getattr(spec, f) != v for f, v in ours.items()):
+                raise ValueError("layers of one KV-cache group carry different kvcompress settings")
+        return replace(super().merge(specs), **ours)
+
+    @classmethod
     def wrap(cls, spec: FullAttentionSpec, settings: Settings) -> "CompressedAttentionSpec":
         import json
 
@@ -238,9 +248,15 @@ class KVCompressFlexBackend(FlexAttentionBackend):
     def customize_spec(cls, spec):
         spec = super().customize_spec(spec)
         if type(spec) is FullAttentionSpec:
-            from vllm.config import get_current_vllm_config_or_none
+            # runs in the worker while the model runner lists its KV-cache specs, where vLLM's
+            # current config is not set: the compressing worker's state holds the engine setting
+            state = runtime.current()
+            if state is not None:
+                settings = state.settings
+            else:
+                from vllm.config import get_current_vllm_config_or_none
 
-            config = get_current_vllm_config_or_none()
-            settings = Settings.from_vllm_config(config) if config is not None else Settings.from_env()
+                config = get_current_vllm_config_or_none()
+                settings = Settings.from_vllm_config(config) if config is not None else Settings.from_env()
             return CompressedAttentionSpec.wrap(spec, settings)
         return spec

@@ -45,6 +45,7 @@ class Record:
     dead_blocks: int
     slots_per_layer: list[int]
     settings: Settings
+    freed_ids: frozenset = frozenset()  # ids of the blocks it gave back (what the worker last saw there)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class WorkerState:
     plan: StepPlan | None = None
     history: list = field(default_factory=list)  # (req_id, Record, seconds, valid slots, trimmed) per compression
     max_batch: int = 0  # most requests in one step's batch (concurrency)
+    reused: set = field(default_factory=set)  # freed block ids seen in another request's live blocks
     pipelines: dict = field(default_factory=dict)  # settings key -> Pipeline (built once)
     rule: BlockRule = field(init=False)  # the engine's block rule (what the scheduler frees)
 
@@ -161,9 +163,26 @@ class WorkerState:
                         if P <= done + n:
                             finishing.append((req_id, P, settings))
             start += n
+        self._note_reuse(req_ids)
         self.plan = StepPlan(dead_blocks=dead if bool((dead > 0).any()) else None,
                              captures=tuple(captures), finishing=tuple(finishing))
         return self.plan
+
+    def _note_reuse(self, req_ids) -> None:
+        """Evidence that freed blocks really went back to the pool: a block a running compressed
+        request gave up that now holds another running request's tokens (the worker never
+        learns of the freeing itself; its block tables keep the old ids)."""
+        freed = [self.records[r].freed_ids for r in req_ids if r in self.records and self.records[r].freed_ids]
+        if not freed:
+            return
+        live = set()
+        for r in req_ids:
+            req = self.runner.requests.get(r)
+            if req is not None:
+                rec = self.records.get(r)
+                live.update(req.block_ids[0][rec.dead_blocks if rec is not None else 0:])
+        for ids in freed:
+            self.reused |= ids & live
 
     def capture_queries(self, layer_idx: int, query: Tensor, captures) -> None:
         """Keep this step's query rows [rows, Hq, D] of the positions each capture names."""

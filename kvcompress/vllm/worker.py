@@ -102,8 +102,9 @@ class _CompressingWorker:
                 logger.warning("request %s: %s kept more than the %d slots the freed blocks leave in %d layers; "
                                "cut to the sinks and the most recent slots", req_id, pipeline.config.name, limit,
                                result.trimmed_layers)
+            freed = state.rule.freed(P, bs) if state.rule.frees else 0  # what the scheduler gives back
             rec = Record(prompt_tokens=P, dead_blocks=result.dead_blocks, slots_per_layer=result.slots_per_layer,
-                         settings=settings)
+                         settings=settings, freed_ids=frozenset(req.block_ids[0][:freed]))
             state.records[req_id] = rec
             state.history.append((req_id, rec, time.perf_counter() - start, result.valid_slots,
                                   result.trimmed_layers))
@@ -132,10 +133,11 @@ class _CompressingWorker:
         return output
 
     def kvc_report(self) -> dict:
-        """Every compression this worker ran (request, prompt tokens, slots per layer, seconds) and
-        the most requests one step ran (``llm.collective_rpc("kvc_report")`` returns it)."""
+        """Every compression this worker ran (request, prompt tokens, slots per layer, seconds),
+        the most requests one step ran, and how many freed blocks were seen holding another
+        request's tokens (``llm.collective_rpc("kvc_report")`` returns it)."""
         state = self.kvc_state
-        return {"max_batch": state.max_batch, "compressions": [{"request_id": rid, "prompt_tokens": rec.prompt_tokens, "dead_blocks": rec.dead_blocks,
+        return {"max_batch": state.max_batch, "reused_freed_blocks": len(state.reused), "compressions": [{"request_id": rid, "prompt_tokens": rec.prompt_tokens, "dead_blocks": rec.dead_blocks,
                  "slots_per_layer": rec.slots_per_layer, "valid_slots_per_layer": valid, "seconds": sec,
                  "preset": rec.settings.preset, "budget": rec.settings.budget, "trimmed_layers": trimmed}
                 for rid, rec, sec, valid, trimmed in state.history]}
