@@ -27,6 +27,19 @@ for tree in base new; do
       --presets semanticache,centroidkv,semanticache-safe \
       --budgets 0.5,0.25 --threads 1 --no-plots --no-progress --out "$OUT/$tree/fidelity"
 done
+# semanticache's fallback chunker (the budget work merged between the two commits, an intended
+# change: budgets below the delimiter chunker's floor are now met) switched off, to compare the
+# cells where it acts (semanticache at keep 0.25) with the code before it
+cd "$NEW"
+NF="--presets semanticache --budgets 0.25 --override fallback_chunker=null --threads 1 --no-plots --no-progress"
+[ -f "$OUT/new-nofallback/niah/results.json" ] || nice -n 5 $PY -m kvcompress.cli eval niah --haystack $HAY \
+    --lengths 2048 --depths 0.3,0.7 --samples 1 --protocols agnostic $NF --out "$OUT/new-nofallback/niah"
+[ -f "$OUT/new-nofallback/niah-protect/results.json" ] || nice -n 5 $PY -m kvcompress.cli eval niah --haystack $HAY \
+    --lengths 2048 --depths 0.5 --samples 1 --protect-needle --protocols agnostic $NF --out "$OUT/new-nofallback/niah-protect"
+[ -f "$OUT/new-nofallback/fidelity/results.json" ] || nice -n 5 $PY -m kvcompress.cli eval fidelity --haystack $HAY \
+    --prefix 1000 --continuation 100 --samples 1 $NF --out "$OUT/new-nofallback/fidelity"
 cd "$HERE"
 $PY compare.py "$OUT" > compare.json || true
+mkdir -p records && for t in base new new-nofallback; do for r in niah niah-protect fidelity; do
+  cp "$OUT/$t/$r/cells.jsonl" "records/$t-$r.jsonl"; done; done
 [ "${SPEED:-1}" = 0 ] || [ -f speed.json ] || nice -n 5 $PY speed.py --base "$BASE" --new "$NEW" --rounds 2 --out speed.json
