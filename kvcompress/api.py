@@ -48,6 +48,7 @@ def generate(
     do_sample: bool = False,
     num_beams: int = 1,
     generation_kwargs: dict | None = None,
+    prefill_chunk: int | None = None,
     **overrides,
 ):
     """Compress ``prompt``'s KV cache with ``preset`` at ``budget`` and generate.
@@ -59,6 +60,9 @@ def generate(
     question:  optional text asked after the compressed context (not compressed itself)
     chat:      wrap in the tokenizer's chat template (None: when it has one)
     backend:   attention backend, "auto" (FlexAttention on CUDA, the faster one on CPU), "flex", "sdpa"
+    prefill_chunk: prefill the prompt C tokens at a time, compressing after each chunk, so the KV
+               held never exceeds the budget of the tokens seen + C (None: one forward, the whole
+               prompt's KV held until it is compressed)
     overrides: PipelineConfig fields or "clusterer.tau"-style strategy params
                (``**{"clusterer.tau": 0.9}``)
     returns    GenerationResult: ``.text``, ``.token_ids`` and ``.report`` (answer, keep_reached,
@@ -72,6 +76,8 @@ def generate(
     from .pipeline import budget_warnings, summarize_shortfalls
 
     check_int("max_new_tokens", max_new_tokens, 1)
+    if prefill_chunk is not None:
+        check_int("prefill_chunk", prefill_chunk, 1)
     if preset is None:
         require(budget is None or budget == 1.0, "budget", budget, "None when preset=None (full cache)")
         require(not overrides, "overrides", sorted(overrides), "none when preset=None (full cache)")
@@ -80,7 +86,8 @@ def generate(
     with budget_warnings() as notes:
         result = _generate(model, tokenizer, prompt, question=question, pipeline=preset,
                            max_new_tokens=max_new_tokens, chat=chat, backend=backend, do_sample=do_sample,
-                           num_beams=num_beams, generation_kwargs=generation_kwargs, **overrides)
+                           num_beams=num_beams, generation_kwargs=generation_kwargs,
+                           prefill_chunk=prefill_chunk, **overrides)
     result.report.update(keep_summary(result.report))
     result.report["budget_note"] = summarize_shortfalls(notes) if notes else None
     return result

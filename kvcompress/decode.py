@@ -54,7 +54,7 @@ from torch import Tensor
 
 from .budget import target_slots
 from .pipeline import GUARD_MARK, Pipeline
-from .protocols import AppendMonotone, DecodeScoped, FloorAware, OpenTail
+from .protocols import AppendMonotone, CrossLayerGuard, DecodeScoped, FloorAware, OpenTail
 from .types import CompressionReport, KVState
 from .validation import check_choice, require
 
@@ -153,6 +153,28 @@ class DecodeCompressor:
         if scope == "tail":
             self._tail = Pipeline(cfg.replace(on_infeasible="best_effort"))
 
+    def prepare_chunk(self, states, start: int) -> None:
+        """Let the cross-layer guards decide for the tokens from ``start`` on (a prefill chunk)
+        from every layer's state (one per layer, the same tokens). They choose among the new
+        tokens only, within the chunk's share of the budget (target(T) - target(start)), so over
+        all chunks they take what one decision over the whole prompt would; persistent guards'
+        earlier choices stay marked."""
+        states = list(states)
+        first = states[0]
+        cfg = self.pipeline.config
+        T = first.num_tokens
+        lead = first.start()  # [B] first real token of each row
+        budget = (target_slots(first.real_tokens(), cfg.keep_ratio, cfg.max_slots)
+                  - target_slots((start - lead).clamp(min=0), cfg.keep_ratio, cfg.max_slots)).clamp(min=0)
+        pos = torch.arange(T, device=first.keys.device)[None, :]  # [1, T]
+        rel = pos - lead[:, None]
+        already = (pos < start) | (rel < cfg.sinks) | (pos >= T - cfg.recent) | (rel < 0)  # [B, T]
+        pipelines = [self.pipeline, self._full] + ([self._tail] if self.scope == "tail" else [])
+        for pipe in pipelines:
+            for guard in pipe.guards:
+                if isinstance(guard, CrossLayerGuard):
+                    guard.prepare(states, budget, already)
+
     @property
     def g(self) -> int:
         return self.pipeline.config.recompress_every
@@ -174,13 +196,15 @@ class DecodeCompressor:
         floor = self.floor(state, layer_idx) if protect is None else self.floor(state, layer_idx, protect)
         return torch.maximum(target, floor)
 
-    def should_compress(self, state: KVState, layer_idx: int | None = None) -> bool:
-        """True when some head holds more than budget + g slots."""
+    def should_compress(self, state: KVState, layer_idx: int | None = None, slack: int | None = None) -> bool:
+        """True when some head holds more than budget + slack slots (slack: g by default; a
+        prefill chunk passes 0: every chunk is compressed back to the budget)."""
+        g = self.g if slack is None else slack
         cfg = self.pipeline.config
         # the smallest row's target; left padding only shrinks a row
         padding = 0 if state.seq_start is None else int(state.seq_start.max())
         lower = target_slots(state.num_tokens - padding, cfg.keep_ratio, cfg.max_slots)
-        if state.num_slots <= lower + self.g:
+        if state.num_slots <= lower + g:
             return False  # called every step: decide from Python ints when the tensor is small enough
         valid = state.valid
         slots = valid.sum(-1)  # [B, H]
@@ -191,19 +215,19 @@ class DecodeCompressor:
             if known is not None:
                 entries.insert(0, entries.pop(i))
                 break
-        if known is not None and bool((slots <= known + self.g).all()):
+        if known is not None and bool((slots <= known + g).all()):
             return False  # the floor can only have grown since, and the budget is >= the floor
         target = self.pipeline.target_slots(state, layer_idx)
-        if not bool((slots > target + self.g).any()):
+        if not bool((slots > target + g).any()):
             return False  # cheap path: the floor can only raise the budget
-        if known is not None and not bool((slots > torch.maximum(target, known) + self.g).any()):
+        if known is not None and not bool((slots > torch.maximum(target, known) + g).any()):
             return False
         floor = self.floor(state, layer_idx)  # the whole-cache pass
         if entries is not None:
             del entries[: int(known is not None)]  # superseded by this state's floor
             entries.insert(0, _FloorEntry.of(state, valid, floor))
             del entries[_MEMO_PER_LAYER:]
-        return bool((slots > torch.maximum(target, floor) + self.g).any())
+        return bool((slots > torch.maximum(target, floor) + g).any())
 
     def _memo_entries(self, state: KVState, layer_idx: int | None) -> list | None:
         """This layer's remembered floors, or None when the state carries protection the memo

@@ -17,7 +17,7 @@ from kvcompress import presets as presets_module
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GUIDES = ["index.md", "architecture.md", "chunkers.md", "clusterers.md", "mergers.md",
-          "guards-and-scorers.md", "config.md", "writing-a-strategy.md", "vllm.md"]
+          "guards-and-scorers.md", "config.md", "writing-a-strategy.md", "vllm.md", "usage.md"]
 LATER = {"results.md", "performance.md", "strategies.md"}  # written by others; linked already
 
 

@@ -258,6 +258,22 @@ def test_png_and_html_from_a_tiny_model(tmp_path):
     assert "merged" in view.roles
 
 
+@pytest.mark.parametrize("preset", ["semanticache-safe", "centroidkv-safe"])
+def test_cross_layer_guard_presets_from_a_tiny_model(tmp_path, preset):
+    """The -safe presets' sentence guard decides from every layer's queries: viz runs the real
+    cache (queries captured, guards prepared from all layers), as `kvcompress viz --preset
+    semanticache-safe` does."""
+    from kvcompress.viz import visualize_text
+
+    tokenizer = toy_tokenizer()
+    model = tiny_llama(len(tokenizer))
+    view = visualize_text(model, tokenizer, TOY_TEXT, preset, layer_idx=1, head=0,
+                          png_path=tmp_path / "s.png", recent=8, sinks=2, keep_ratio=0.5)
+    assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
+    assert view.report["budget_met"] and "merged" in view.roles
+    assert view.roles.count("protected") > 0  # the guard kept some sentences whole
+
+
 def test_png_of_a_long_text_is_truncated(tmp_path):
     state = toy_state(2, N=300)
     view, _ = cluster_view(Pipeline("centroidkv-chunk16", keep_ratio=0.4), state)

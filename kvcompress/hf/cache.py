@@ -41,6 +41,7 @@ Beam search: let generate prefill (it expands the prompt, the cache follows), or
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -164,6 +165,8 @@ class CompressedCache(Cache):
         self._fwd: _Forward | None = None
         self._fwd_counter = 0
         self._deferred: list[int] = []
+        self._chunk_start: int | None = None  # tokens before the prefill chunk in flight (cache.prefill)
+        self._chunk_deferred: list[int] = []
         self.prefill_hooks: list[Callable] = []
         self._bound_to: str | None = None
         self._model = None  # weakref to the bound model
@@ -381,6 +384,37 @@ class CompressedCache(Cache):
             self._restore(snap)
             raise
 
+    def prefill(self, input_ids: Tensor, *, chunk: int | None = None) -> None:
+        """Run the bound model over ``input_ids`` [B, T] (rows without padding) on top of what the
+        cache holds, without logits. chunk: C tokens per forward; the first chunk compresses by
+        the prefill rule, every later one right after it (the decode rule, per layer; with
+        cross-layer guards at the chunk's end, the guards deciding for the chunk's tokens from
+        every layer), so a layer never holds more than its budget of the tokens seen + C slots.
+        None: one forward (the whole prompt uncompressed until the prefill rule runs)."""
+        require(isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[1] >= 1
+                and not input_ids.is_floating_point(), "input_ids", tuple(getattr(input_ids, "shape", ())),
+                "a [B, T] tensor of token ids with T >= 1")
+        if chunk is not None:
+            check_int("chunk", chunk, 1)
+        model = None if self._model is None else self._model()
+        require(model is not None, "cache", "not bound to a model",
+                "a cache bound to a model (CompressedCache.for_model or bind(model))")
+        base = model.base_model
+        key = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        T = input_ids.shape[1]
+        step = T if chunk is None else chunk
+        with torch.inference_mode():
+            for a in range(0, T, step):
+                ids = input_ids[:, a: a + step]
+                seen = self.num_tokens if any(self.layers[i].is_initialized for i in self._full) else 0
+                first = seen == 0
+                self._chunk_start = None if first else seen
+                try:
+                    mask = torch.ones(ids.shape[0], seen + ids.shape[1], dtype=torch.long, device=ids.device)
+                    base(input_ids=ids, attention_mask=mask, use_cache=True, **{key: self})
+                finally:
+                    self._chunk_start = None
+
     def add_prefill_hook(self, fn: Callable) -> None:
         """Run ``fn(cache, model)`` at every prefill's end, before the compression (``model`` is
         the bound model or None); it may write ``set_stats`` / ``set_extras``. Its own forwards
@@ -515,6 +549,7 @@ class CompressedCache(Cache):
         for layer in self.layers:
             layer.reset()
         self._ids, self._seq_start, self._fwd, self._deferred = None, None, None, []
+        self._chunk_deferred, self._chunk_start = [], None
         self._max_left_pad = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -706,6 +741,10 @@ class CompressedCache(Cache):
                 fwd.ending = True
                 self._run_prefill_hooks()
                 self.scheduler.compress_prefill(self, deferred)
+            chunked, self._chunk_deferred = self._chunk_deferred, []
+            if chunked:
+                fwd.ending = True
+                self.scheduler.compress_chunk(self, chunked, self._chunk_start)
         except BaseException:
             self._rollback_forward()  # a complete forward that failed: always an error
             raise
@@ -719,7 +758,7 @@ class CompressedCache(Cache):
     def _rollback_forward(self) -> None:
         """Undo the forward in flight: the cache is as before it."""
         fwd, self._fwd = self._fwd, None
-        self._deferred = []
+        self._deferred, self._chunk_deferred = [], []
         if fwd is None:
             return
         if fwd.token is not None:

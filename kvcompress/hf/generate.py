@@ -71,8 +71,12 @@ def split_prompt(tokenizer, context: str, question: str | None, chat: bool | Non
 
 def generate(model, tokenizer, context: str, *, question: str | None = None, pipeline="semanticache",
              max_new_tokens: int = 64, chat: bool | None = None, backend: str = "auto", do_sample: bool = False,
-             num_beams: int = 1, generation_kwargs: dict | None = None, **overrides) -> GenerationResult:
+             num_beams: int = 1, generation_kwargs: dict | None = None, prefill_chunk: int | None = None,
+             **overrides) -> GenerationResult:
     """Compress ``context`` with ``pipeline`` (+ overrides), then answer ``question``.
+
+    prefill_chunk: prefill C tokens at a time, compressing after each chunk (``cache.prefill``),
+    so the KV held stays within the budget of the tokens seen + C; None: one forward.
 
     Returns the decoded new text and a report with kv_bytes_full / kv_bytes_compressed (after
     the prefill), slots per layer, prefill_s (without compression), compress_s, decode_s
@@ -81,6 +85,8 @@ def generate(model, tokenizer, context: str, *, question: str | None = None, pip
     require(isinstance(context, str) and context != "", "prompt", context, "a non-empty string")
     check_int("max_new_tokens", max_new_tokens, 1)
     check_int("num_beams", num_beams, 1)
+    if prefill_chunk is not None:
+        check_int("prefill_chunk", prefill_chunk, 1)
     device = next(model.parameters()).device
     head, tail, used_chat = split_prompt(tokenizer, context, question, chat)
     ids = tokenizer(head, return_tensors="pt", add_special_tokens=not used_chat)["input_ids"].to(device)
@@ -97,8 +103,7 @@ def generate(model, tokenizer, context: str, *, question: str | None = None, pip
             _sync(device)
             start = time.perf_counter()
             # the base model: the prefill needs no logits ([L, vocab] floats for a long prompt)
-            base = model.base_model
-            base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **{cache_kwarg(base): cache})
+            cache.prefill(ids, chunk=prefill_chunk)
             _sync(device)
             prefill_total = time.perf_counter() - start
             compress_s = cache.stats["compress_s"]
@@ -141,6 +146,7 @@ def generate(model, tokenizer, context: str, *, question: str | None = None, pip
         "kv_bytes_end": final["kv_bytes_compressed"],
         "kv_bytes_full_end": final["kv_bytes_full"],
         "compiles": final["compiles"],
+        "prefill_chunk": prefill_chunk,
         "backend": backend,
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),

@@ -7,6 +7,10 @@
   the cross-layer guards see every layer, then all layers compress, all or nothing.
 - Decode time: a layer that holds more than budget + g slots (g = ``recompress_every``) is
   compressed back by ``DecodeCompressor``.
+- A prefill chunk (``cache.prefill(ids, chunk=C)``, a forward on layers compressed already):
+  the decode rule, right after each layer's attention; or, when the pipeline ``needs.all_layers``,
+  at the forward's end: the cross-layer guards decide for the chunk's tokens from every layer,
+  then every layer compresses back to its budget, all or nothing.
 - ``cache.compress()``: every layer now (prefill rule for layers never compressed, decode rule
   for the others), all or nothing.
 
@@ -83,15 +87,40 @@ class Scheduler:
             cache._install(layer_idx, with_frontier(new_state, self.pipeline.config.recent), report)
             cache._record_compression(time.perf_counter() - start, prefill=True)
             return
-        if not self._may_exceed_budget(cache, layer):
+        chunk = cache._chunk_start is not None
+        if chunk and self.defers_prefill(cache):
+            cache._chunk_deferred.append(layer_idx)
+            return
+        if not chunk and not self._may_exceed_budget(cache, layer):
             return  # the common decode step: no KVState, no tensor op
         state = cache.layer_state(layer_idx)
-        if not self.decoder.should_compress(state, layer_idx):
+        if not self.decoder.should_compress(state, layer_idx, slack=0 if chunk else None):
             return
         start = time.perf_counter()
         new_state, report = self.decoder.compress(state, layer_idx)
         cache._install(layer_idx, new_state, report)
-        cache._record_compression(time.perf_counter() - start, prefill=False)
+        cache._record_compression(time.perf_counter() - start, prefill=chunk)
+
+    def compress_chunk(self, cache, layer_ids: list[int], chunk_start: int) -> None:
+        """A prefill chunk's end (pipelines that need all layers, or caches with prefill hooks):
+        the hooks run, the cross-layer guards decide for the tokens from ``chunk_start`` on from
+        every layer, then each layer over its budget compresses back to it; installs only when
+        every layer compressed."""
+        if self.pipeline is None or not layer_ids:
+            return
+        cache._run_prefill_hooks()
+        start = time.perf_counter()
+        states = {i: cache.layer_state(i) for i in layer_ids}
+        self.decoder.prepare_chunk(list(states.values()), chunk_start)
+        done = []
+        for i, state in states.items():
+            if self.decoder.should_compress(state, i, slack=0):
+                done.append((i, *self.decoder.compress(state, i)))
+        for i, new_state, report in done:
+            cache._install(i, new_state, report)
+        seconds = time.perf_counter() - start
+        for _ in done:
+            cache._record_compression(seconds / len(done), prefill=True)
 
     def _may_exceed_budget(self, cache, layer) -> bool:
         """False when no head can hold more than budget + g slots: every head holds at most n
