@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CORE_SETTINGS
@@ -185,6 +185,33 @@ def test_refitting_a_state_equals_fitting_its_expanded_cache(seed, key, power):
     assert torch.allclose(a.log_sizes, b.log_sizes[..., :M], atol=1e-5)
     assert torch.allclose(a.keys, b.keys[..., :M, :], atol=1e-5)
     assert torch.allclose(a.values, b.values[..., :M, :], atol=1e-5)
+
+
+@given(seed=st.integers(0, 10_000), n=st.integers(4, 24), d=st.sampled_from([4, 8, 16]), R=st.integers(2, 16),
+       spread=st.floats(0.0, 0.5), size=st.integers(2, 4), qscale=st.floats(0.1, 3.0))
+@settings(CORE_SETTINGS, max_examples=25)
+def test_fitted_attention_on_its_reference_queries_is_never_worse_than_the_mean(seed, n, d, R, spread, size,
+                                                                               qscale):
+    """Against the expanded cache (every token a copy), on the reference queries, for random
+    clusters, sizes and query scales: the fitted state's relative output error is at most the
+    mean rule's (2% slack: the fit is least squares in log mass, not in the output itself), and
+    clusters of identical keys (spread 0) are exact."""
+    g = torch.Generator().manual_seed(seed)
+    H = 2
+    run = torch.arange(n) // size
+    keys = torch.randn(1, H, n, d, generator=g)[:, :, run] + spread * torch.randn(1, H, n, d, generator=g)
+    state = KVState.from_raw(keys, torch.randn(1, H, n, d, generator=g))
+    state = state.replace(log_sizes=torch.randint(1, 4, (1, H, n), generator=g).float().log(),
+                          extras={"reference_queries": qscale * torch.randn(1, 2 * H, R, d, generator=g)})
+    q = state.extras["reference_queries"]
+    parent = (run * size).expand(1, H, n).clone()
+    ek, ev, els = expand_state(state)
+    full = proportional_attention(q, ek, ev, els, causal=False)
+    fit_err = rel_err(fitted()(state, parent), full, q)
+    mean_err = rel_err(apply_merge_plan(state, parent), full, q)
+    assert fit_err <= 1.02 * mean_err + 1e-5, (fit_err, mean_err)
+    if spread == 0.0:
+        assert fit_err < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
