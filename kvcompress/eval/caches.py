@@ -163,7 +163,7 @@ def trace_mark(state: KVState, count: Tensor, length: int) -> dict:
     slots: slots holding marked tokens; size: mean size of those slots
     """
     valid = state.valid
-    size = state.log_sizes.exp().masked_fill(~valid, 0.0)  # [B, H, N]
+    size = state.token_counts().masked_fill(~valid, 0.0)  # [B, H, N] tokens, not exp(bias): a fitted bias differs
     count = count.masked_fill(~valid, 0.0)
     has = count > 1e-6
     n = float(max(length, 1))

@@ -1,21 +1,32 @@
 """Merging presets whose merged slots are fitted to their clusters' attention (issue 14).
 
 Each is the named preset with the ``fitted`` merger: the clusters are the method's own; only the
-merged slots' key, value and attention bias differ (fitted to 64 strided prefill queries of each
-layer, recorded by the cache). The SemantiCache variant uses fixed 64-token chunks (delimiter
+merged slots' key, value and attention bias differ. They are fitted to the layer's last queries
+(``queries="window"``: 64, or the preset's own query window of 32 for the ``-safe`` ones, so their
+guards see the same queries as without the fit), which the cache keeps anyway; measured on
+SmolLM2 they predict the queries that follow far better than queries strided over the prefill
+(docs/mergers.md). ``kvzip-csm-fitted`` fits to the reconstruction pass's queries, which its
+importance guard runs anyway. The SemantiCache variant uses fixed 64-token chunks (delimiter
 anchors alone floor the keep ratio near 0.3, as for semanticache-safe).
 """
 
 from ..config import PipelineConfig, StrategySpec
 from . import register_preset
 from .centroidkv import centroidkv, centroidkv_safe
+from .importance import kvzip_csm
 from .semanticache import semanticache_fixed64, semanticache_safe
 
-FITTED = StrategySpec("fitted", {"reference_queries": 64})
+WINDOW = 64  # last queries per layer the fit uses (the -safe presets: their query window)
 
 
-def _fitted(base: PipelineConfig, name: str) -> PipelineConfig:
-    return base.replace(name=name, merger=FITTED)
+def fitted_merger(queries: str = "window", reference_queries: int = WINDOW) -> StrategySpec:
+    return StrategySpec("fitted", {"queries": queries, "reference_queries": reference_queries})
+
+
+def _fitted(base: PipelineConfig, name: str, merger: StrategySpec | None = None) -> PipelineConfig:
+    if merger is None:
+        merger = fitted_merger(reference_queries=base.query_window or WINDOW)
+    return base.replace(name=name, merger=merger)
 
 
 @register_preset("centroidkv-fitted")
@@ -36,3 +47,10 @@ def semanticache_fitted() -> PipelineConfig:
 @register_preset("semanticache-safe-fitted")
 def semanticache_safe_fitted() -> PipelineConfig:
     return _fitted(semanticache_safe(), "semanticache-safe-fitted")
+
+
+@register_preset("kvzip-csm-fitted")
+def kvzip_csm_fitted() -> PipelineConfig:
+    """kvzip-csm's clusters (important sentences exact, the rest CSM-merged), slots fitted to the
+    reconstruction queries its importance pass records."""
+    return _fitted(kvzip_csm(), "kvzip-csm-fitted", fitted_merger("reconstruction"))

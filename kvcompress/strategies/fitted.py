@@ -29,19 +29,27 @@ from .mergers import apply_merge_plan, is_identity_plan
 REFERENCE_QUERIES = "reference_queries"  # extras: [B, Hq, R, D] strided prefill queries (rotated)
 RECONSTRUCTION_QUERIES = "reconstruction_queries"  # extras: [B, Hq, R, D] from the reconstruction pass
 WINDOW_QUERIES = "queries"  # extras: [B, Hq, W, D] the last W queries of the layer (query_window)
-QUERY_SOURCES = {
-    "prefill": (REFERENCE_QUERIES,),
-    "window": (WINDOW_QUERIES,),
-    "reconstruction": (RECONSTRUCTION_QUERIES,),
-    "both": (REFERENCE_QUERIES, RECONSTRUCTION_QUERIES),
-}
+SOURCES = {"prefill": REFERENCE_QUERIES, "window": WINDOW_QUERIES, "reconstruction": RECONSTRUCTION_QUERIES}
+ALIASES = {"both": "prefill+reconstruction"}
+
+
+def query_sources(queries: str) -> tuple[str, ...]:
+    """The extras keys of a ``queries`` spec: a source, or sources joined by "+" ("window+reconstruction");
+    "both" = "prefill+reconstruction". A ValueError naming ``queries`` otherwise."""
+    parts = ALIASES.get(queries, queries).split("+") if isinstance(queries, str) else [queries]
+    require(len(parts) == len(set(parts)) and all(p in SOURCES for p in parts), "queries", queries,
+            f"one of {sorted(SOURCES)} or several joined by '+' (e.g. 'window+reconstruction'), or 'both'")
+    return tuple(SOURCES[p] for p in parts)
+
+
 _HOW = {
     REFERENCE_QUERIES: "give the merger reference_queries > 0 (its `needs` asks the cache to record "
                        "a strided sample of each layer's prefill queries)",
     WINDOW_QUERIES: "give the merger reference_queries > 0 (with queries='window' its `needs` asks the "
                     "cache for that many of each layer's last queries, query_window)",
-    RECONSTRUCTION_QUERIES: "put the reconstruction scorer (issue 18) in the pipeline, which records "
-                            "the queries of its repeat-the-context pass",
+    RECONSTRUCTION_QUERIES: "the reconstruction pass (issue 18) records them: a cache runs it at the "
+                            "prefill's end for a pipeline whose needs ask for a model pass, as this "
+                            "merger's do with queries='reconstruction' or 'both'",
 }
 KEY_MODES = ("mean", "attention")
 
@@ -79,11 +87,12 @@ def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted m
 class FittedMerger:
     """Fit each merged slot's attention bias and value (optionally key) to its cluster.
 
-    queries:           "prefill" (extras["reference_queries"]), "window" (the last R queries,
-                       extras["queries"]), "reconstruction" (extras["reconstruction_queries"])
-                       or "both" (prefill and reconstruction)
-    reference_queries: R, prefill queries the cache records per layer (strided, last included;
-                       the last R with queries="window")
+    queries:           "window" (the last R queries of the layer, extras["queries"]: closest to
+                       the queries that follow), "prefill" (R strided prefill queries,
+                       extras["reference_queries"]), "reconstruction" (the reconstruction pass's,
+                       extras["reconstruction_queries"]; the pass is a model pass the merger's
+                       needs ask for), or several joined by "+"; "both" = "prefill+reconstruction"
+    reference_queries: R, queries per layer the cache records for "window" / "prefill"
     key:               "mean" (the size-weighted mean key) or "attention" (weighted by the
                        attention the reference queries pay to each member)
     power:             a query's weight is the cluster's share of its attention row ** power
@@ -91,7 +100,7 @@ class FittedMerger:
     scale:             logit scale; None = 1/sqrt(head_dim)
     """
 
-    queries: str = "prefill"
+    queries: str = "window"
     reference_queries: int = 64
     key: str = "attention"
     power: float = 1.0
@@ -99,7 +108,7 @@ class FittedMerger:
     scale: float | None = None
 
     def __post_init__(self):
-        check_choice("queries", self.queries, tuple(QUERY_SOURCES))
+        query_sources(self.queries)
         check_int("reference_queries", self.reference_queries, 1)
         check_choice("key", self.key, KEY_MODES)
         check_range("power", self.power, 0.0, 8.0)
@@ -109,15 +118,17 @@ class FittedMerger:
 
     @property
     def needs(self) -> Needs:
-        """Prefill reference queries when they are used (the reconstruction scorer records its own)."""
-        if self.queries == "window":
-            return Needs(query_window=self.reference_queries)
-        return Needs(reference_queries=self.reference_queries if self.queries != "reconstruction" else 0)
+        """The queries it fits to: strided prefill queries, the query window, or the model pass
+        whose reconstruction queries it reads (the pass records them)."""
+        uses = set(query_sources(self.queries))
+        return Needs(query_window=self.reference_queries if WINDOW_QUERIES in uses else 0,
+                     reference_queries=self.reference_queries if REFERENCE_QUERIES in uses else 0,
+                     model_pass=RECONSTRUCTION_QUERIES in uses)
 
     def __call__(self, state: KVState, parent: Tensor) -> KVState:
         if is_identity_plan(state, parent):
             return state
-        queries = grouped_queries(state, QUERY_SOURCES[self.queries], limit=self.reference_queries)
+        queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
         # the proportional prior weighs a slot by its attention bias (a slot of bias beta is
         # exp(beta) copies for attention), not by its token count: the two differ once fitted
         merged = apply_merge_plan(state.replace(counts=None), parent)

@@ -3,7 +3,8 @@
     python results/issue14-cost/cost.py --tokens 8192 --out results/issue14-cost/cost.json
 Times (1) the model's 8k prefill (stock SDPA, no cache compression), (2) per preset the pipeline's
 compression of all 30 layers with the mean merger and with the fitted merger, on the real cache of
-that prefill (reference queries: 64 strided prefill queries per layer). The fitting cost is the
+that prefill (the fitted merger as in the fitted presets: the layer's last R queries, which the
+cache keeps anyway; --queries prefill: R strided prefill queries). The fitting cost is the
 difference (2, fitted) - (2, mean). Repeats interleaved; medians reported; load average recorded.
 """
 import argparse, json, os, platform, statistics, sys, time
@@ -25,6 +26,7 @@ p.add_argument("--repeats", type=int, default=2)
 p.add_argument("--presets", default="centroidkv,semanticache-fixed64")
 p.add_argument("--budgets", default="0.5,0.25")
 p.add_argument("--threads", type=int, default=1)
+p.add_argument("--queries", default="window", choices=["window", "prefill"])
 p.add_argument("--out", required=True)
 a = p.parse_args()
 torch.set_num_threads(a.threads)
@@ -35,7 +37,7 @@ vocab = [tok.decode([i]) for i in range(len(tok))]
 rec = []
 def recording(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
     idx = torch.linspace(0, query.shape[2] - 1, a.R).round().long()
-    rec.append((query[0][:, idx].clone(), key[0].clone(), value[0].clone()))
+    rec.append((query[0][:, idx].clone(), query[0][:, -a.R:].clone(), key[0].clone(), value[0].clone()))
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
 AttentionInterface.register("record14", recording)
 
@@ -48,7 +50,7 @@ def prefill(record: bool) -> float:
 
 prefill(True)
 states = [KVState.from_raw(k[None], v[None], token_ids=ids, vocab=vocab).replace(
-    extras={"reference_queries": q[None]}) for q, k, v in rec]
+    extras={"reference_queries": q[None], "queries": w[None]}) for q, w, k, v in rec]
 rec.clear()
 load = [os.getloadavg()]
 times = {"prefill": []}
@@ -59,7 +61,7 @@ for rep in range(a.repeats):
             for merger in ("mean", "fitted"):
                 cfg = get_preset(preset, keep_ratio=budget)
                 if merger == "fitted":
-                    cfg = cfg.replace(merger=StrategySpec("fitted", {"reference_queries": a.R}))
+                    cfg = cfg.replace(merger=StrategySpec("fitted", {"queries": a.queries, "reference_queries": a.R}))
                 pipe = Pipeline(cfg)
                 t = time.perf_counter()
                 for l, st in enumerate(states):
@@ -75,7 +77,7 @@ for key in med:
         fit_s = med[key] - med[base + ":mean"]
         summary[base] = {"mean_s": med[base + ":mean"], "fitted_s": med[key], "fitting_s": fit_s,
                          "fitting_share_of_prefill": fit_s / med["prefill"]}
-out = {"tokens": a.tokens, "R": a.R, "threads": a.threads, "repeats": a.repeats, "times": times,
+out = {"tokens": a.tokens, "R": a.R, "queries": a.queries, "threads": a.threads, "repeats": a.repeats, "times": times,
        "prefill_s_median": med["prefill"], "summary": summary, "loadavg": load,
        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
        "command": " ".join(sys.argv)}

@@ -25,6 +25,7 @@ p.add_argument("--layers", default=None)
 p.add_argument("--out", default=None)
 p.add_argument("--per-layer", action="store_true")
 p.add_argument("--windows", type=int, default=None)
+p.add_argument("--query-window", type=int, default=32, help="last prefill queries given as extras['queries']")
 a = p.parse_args()
 torch.set_num_threads(1)
 data = torch.load(a.data)
@@ -66,7 +67,7 @@ for preset in a.presets.split(","):
                     pipe = Pipeline(cfg)
                     st = KVState.from_raw(K[l, :, :P0][None], V[l, :, :P0][None], token_ids=ids[None, :P0], vocab=vocab)
                     ref = Q[l][:, stride_idx(P0, R)][None]
-                    extras = {"reference_queries": ref, "queries": Q[l][:, P0 - 32:P0][None],
+                    extras = {"reference_queries": ref, "queries": Q[l][:, P0 - a.query_window:P0][None],
                               "reference_positions": stride_idx(P0, R)}
                     st = st.replace(extras=extras)
                     t = time.perf_counter()
