@@ -281,3 +281,23 @@ def test_a_short_prompt_at_a_low_budget_shrinks_the_window_to_half_the_budget():
     with pytest.warns(BudgetWarning, match="runs of its chunks joined"):
         out, report = pipe.compress(state)
     assert report.budget_met and int(out.valid.sum(-1).max()) <= 71
+
+
+def test_viz_shows_the_chunks_the_compression_used_below_the_floor():
+    """cluster_view draws the chunking the first round used: at a budget below the anchors' floor
+    the delimiters are clause members (no "anchor" role) and every cluster lies in one shown chunk."""
+    from kvcompress.viz import cluster_view
+
+    vocab = ("w", ".")
+    ids = torch.tensor([[1 if i % 4 == 3 else 0 for i in range(120)]])  # a delimiter every 4 tokens
+    gen = torch.Generator().manual_seed(0)
+    state = kc.KVState.from_raw(torch.randn(1, 2, 120, 8, generator=gen), torch.randn(1, 2, 120, 8, generator=gen),
+                                token_ids=ids, vocab=vocab)
+    low = kc.Pipeline("semanticache", keep_ratio=0.2, sinks=2, recent=4, on_infeasible="best_effort")
+    view, report = cluster_view(low, state)
+    assert report.budget_met and "anchor" not in view.roles
+    for members in view.clusters():
+        assert len({int(view.chunk_ids[t]) for t in members}) == 1
+    paper = kc.Pipeline("semanticache", keep_ratio=0.9, sinks=2, recent=4)
+    view, _ = cluster_view(paper, state)
+    assert view.roles.count("anchor") == sum(1 for t in range(2, 116) if t % 4 == 3)  # the paper's anchors
