@@ -167,6 +167,7 @@ class CompressedCache(Cache):
         self._deferred: list[int] = []
         self._chunk_start: int | None = None  # tokens before the prefill chunk in flight (cache.prefill)
         self._chunk_deferred: list[int] = []
+        self._next_chunk = 0  # tokens of the prefill chunk after the one in flight (room to leave)
         self.prefill_hooks: list[Callable] = []
         self._bound_to: str | None = None
         self._model = None  # weakref to the bound model
@@ -409,11 +410,12 @@ class CompressedCache(Cache):
                 seen = self.num_tokens if any(self.layers[i].is_initialized for i in self._full) else 0
                 first = seen == 0
                 self._chunk_start = None if first else seen
+                self._next_chunk = min(step, T - a - step) if chunk is not None else 0
                 try:
                     mask = torch.ones(ids.shape[0], seen + ids.shape[1], dtype=torch.long, device=ids.device)
                     base(input_ids=ids, attention_mask=mask, use_cache=True, **{key: self})
                 finally:
-                    self._chunk_start = None
+                    self._chunk_start, self._next_chunk = None, 0
 
     def add_prefill_hook(self, fn: Callable) -> None:
         """Run ``fn(cache, model)`` at every prefill's end, before the compression (``model`` is
@@ -782,7 +784,9 @@ class CompressedCache(Cache):
 
     def _install(self, layer_idx: int, state: KVState, report, compressed: bool = True) -> None:
         layer = self.layers[layer_idx]
-        layer.install(state, self.scheduler.headroom)
+        # while a chunked prefill runs, room for the next chunk: it is appended in place (no
+        # second copy of the layer while the forward's rollback snapshot holds the first)
+        layer.install(state, max(self.scheduler.headroom, self._next_chunk))
         layer.compressed = compressed
         layer.last_report = report
         if layer._k.device.type == "cuda":

@@ -104,23 +104,27 @@ class Scheduler:
     def compress_chunk(self, cache, layer_ids: list[int], chunk_start: int) -> None:
         """A prefill chunk's end (pipelines that need all layers, or caches with prefill hooks):
         the hooks run, the cross-layer guards decide for the tokens from ``chunk_start`` on from
-        every layer, then each layer over its budget compresses back to it; installs only when
-        every layer compressed."""
+        every layer, then each layer over its budget compresses back to it (all or nothing: the
+        forward is undone on an error)."""
         if self.pipeline is None or not layer_ids:
             return
         cache._run_prefill_hooks()
         start = time.perf_counter()
         states = {i: cache.layer_state(i) for i in layer_ids}
         self.decoder.prepare_chunk(list(states.values()), chunk_start)
-        done = []
-        for i, state in states.items():
+        done = 0
+        # layer by layer, each installed at once so that only one layer holds two copies; on an
+        # error the forward's snapshot puts every layer back (the cache undoes the whole chunk)
+        for i in layer_ids:
+            state = states.pop(i)
             if self.decoder.should_compress(state, i, slack=0):
-                done.append((i, *self.decoder.compress(state, i)))
-        for i, new_state, report in done:
-            cache._install(i, new_state, report)
+                new_state, report = self.decoder.compress(state, i)
+                del state
+                cache._install(i, new_state, report)
+                done += 1
         seconds = time.perf_counter() - start
-        for _ in done:
-            cache._record_compression(seconds / len(done), prefill=True)
+        for _ in range(done):
+            cache._record_compression(seconds / done, prefill=True)
 
     def _may_exceed_budget(self, cache, layer) -> bool:
         """False when no head can hold more than budget + g slots: every head holds at most n

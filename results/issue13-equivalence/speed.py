@@ -33,6 +33,8 @@ def worker() -> dict:
     from kvcompress.hf.generate import cache_kwarg
     from kvcompress.hf.loading import load_model
 
+    import kvcompress
+
     model, tok = load_model()
     text = "\n\n".join(open(os.path.join(ESSAY_DIR, f)).read() for f in sorted(os.listdir(ESSAY_DIR))[:6])
     ids = tok(text, return_tensors="pt").input_ids[:, :TOKENS]
@@ -58,6 +60,7 @@ def worker() -> dict:
                        "prefill_compressions": cache.stats["prefill_compressions"],
                        "tpot_s": statistics.median(steps), "slots_per_layer": cache.slots_per_layer()[:1]}
         cache.close()
+    out["kvcompress_file"] = kvcompress.__file__
     return out
 
 
@@ -79,14 +82,19 @@ def main() -> None:
         order = ("base", "new") if r % 2 == 0 else ("new", "base")
         for name in order:
             load_before = os.getloadavg()
+            # PYTHONPATH: the tree's kvcompress, not the script directory's nor the venv's editable one
             proc = subprocess.run([sys.executable, os.path.join(here, "speed.py"), "--worker"], cwd=trees[name],
-                                  capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                  capture_output=True, text=True,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": trees[name]})
             if proc.returncode:
                 sys.exit(proc.stderr)
             runs.append({"round": r, "tree": name, "load_before": load_before, "load_after": os.getloadavg(),
                          "methods": json.loads(proc.stdout.strip().splitlines()[-1])})
             print(name, r, runs[-1]["methods"], flush=True)
     ratios = {}
+    for r in runs:
+        tree = os.path.realpath(trees[r["tree"]])
+        assert os.path.realpath(r["methods"]["kvcompress_file"]).startswith(tree + os.sep), (r["tree"], tree)
     for method in METHODS:
         per_round = {"tpot": [], "compress": []}
         for r in range(args.rounds):

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-PRESETS = ("semanticache", "centroidkv", "semanticache-safe")
+PRESETS = ("centroidkv", "semanticache-safe")
 KEEP = 0.25
 HAYSTACK = "/work/shared/data/paul_graham_essays"
 

@@ -21,7 +21,7 @@ import time
 
 TOKENS, KEEP, CHUNK = 8192, 0.25, 1024
 ESSAYS = "/work/shared/data/paul_graham_essays"
-MODES = ("plain", "chunked:semanticache-safe", "chunked:semanticache", "chunked:centroidkv")
+MODES = ("plain", "chunked:semanticache-safe", "chunked:centroidkv")
 
 
 def _status(key: str) -> int:
@@ -35,6 +35,7 @@ def worker(mode: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    import kvcompress
     from kvcompress.hf.loading import load_model
 
     model, tok = load_model()
@@ -54,7 +55,8 @@ def worker(mode: str) -> dict:
     reset_peak = _status("VmHWM")
     out = {"mode": mode, "tokens": int(ids.shape[1]), "full_kv_bytes": full_kv, "rss_after_load": loaded_rss,
            "peak_after_load": loaded_peak,
-           "peak_after_reset": reset_peak, "attn_implementation": cfg._attn_implementation}
+           "peak_after_reset": reset_peak, "attn_implementation": cfg._attn_implementation,
+           "kvcompress_file": kvcompress.__file__}
     start = time.perf_counter()
     with torch.inference_mode():
         if mode == "plain":
@@ -94,8 +96,9 @@ def main() -> None:
         if mode in done:
             continue
         load = os.getloadavg()
+        root = os.getcwd()  # the repository root: its kvcompress, not the venv's editable install
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", mode], capture_output=True,
-                              text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                              text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": root})
         if proc.returncode:
             sys.exit(proc.stderr[-3000:])
         run = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-/work/main/.venv/bin/python}
-export HF_HUB_OFFLINE=1
+export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD  # this tree's kvcompress (a script's own directory comes first otherwise)
 nice -n 5 $PY results/issue16-chunked/rss.py --out results/issue16-chunked/rss.json
 nice -n 5 $PY results/issue16-chunked/quality.py --out results/issue16-chunked/quality.json
