@@ -40,12 +40,9 @@ def main():
     hay = Haystack.load(args.haystack)
     variants = {
         "full (chunk 512)": dict(chunk=512),
-        "chunk 256": dict(chunk=256),
-        "chunk 1024": dict(chunk=1024),
         "subsample 0.5": dict(chunk=512, subsample=0.5),
         "subsample 0.25": dict(chunk=512, subsample=0.25),
         "first half of the layers": dict(chunk=512, layers=list(range(L // 2))),
-        "last half of the layers": dict(chunk=512, layers=list(range(L // 2, L))),
         "subsample 0.5, first half": dict(chunk=512, subsample=0.5, layers=list(range(L // 2))),
     }
     rows = []
