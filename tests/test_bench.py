@@ -418,3 +418,13 @@ def test_performance_page_commands_parse():
         parser = argparse.ArgumentParser()
         cli_bench.add_parser(parser.add_subparsers())
         cli_bench.settings_from_args(parser.parse_args(["bench", *argv]))
+
+
+def test_floors_table_reports_the_bandwidth_floor():
+    from kvcompress.bench import report
+
+    floors = {"floors": [{"name": "bandwidth_smollm2_8k", "rule": "r", "pass": False, "items": [
+        {"method": "semanticache", "backend": "sdpa", "share_of_floor": 0.2, "tpot_vs_plain": 1.5, "pass": False},
+        {"method": "full-stock", "backend": "stock-sdpa", "share_of_floor": 0.16, "tpot_vs_plain": 1.0, "pass": None}]}]}
+    text = report.floors_table(floors)
+    assert "semanticache (sdpa): 20% of the floor, 1.5x plain" in text and "**FAIL**" in text
