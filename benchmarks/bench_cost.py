@@ -3,6 +3,8 @@ with N (synthetic Llama-3-8B-shaped keys, 2k..32k).
 
     python benchmarks/bench_cost.py --threads 1 --out benchmarks/results/cost_smollm2_8k.json
     python benchmarks/bench_cost.py --scaling --threads 1 --out benchmarks/results/cost_scaling.json
+    python benchmarks/bench_cost.py --scaling --presets quadratic --lengths 1024 2048 4096 8192 \
+        --out benchmarks/results/cost_scaling_quadratic.json
     python benchmarks/bench_cost.py --length 1024 --rounds 1 --presets semanticache   # smoke
 
 1. One recorder prefill of the first N tokens of the Paul Graham essays gives every layer's keys,
@@ -34,7 +36,11 @@ from kvcompress.bench.machine import describe_machine, load_average
 
 RESULTS = Path(__file__).parent / "results"
 SKIP_DEFAULT = ("semanticache-global",)  # GSC over a whole head: O(N^2) by design (an ablation), timed on 1 layer
-MAIN = ("semanticache", "semanticache-safe", "centroidkv", "centroidkv-safe", "streamingllm", "snapkv")
+MAIN = ("semanticache", "semanticache-safe", "centroidkv", "centroidkv-safe", "streamingllm", "snapkv", "cam",
+        "kvzip-gsc")
+# all-pairs by design: D2O compares every evicted token with every kept one (E x K cosines), GSC
+# over a whole head compares each seed with every later slot; their slope is measured, not bounded
+QUADRATIC = ("d2o", "semanticache-global")
 
 
 def log(line: str) -> None:
@@ -101,7 +107,7 @@ def run_scaling(args) -> dict:
     from kvcompress.bench.sources import TINY_VOCAB, TokenSource, _smollm2_tokenizer
     from kvcompress.hf.vocab import token_texts
 
-    names = list(MAIN) if args.presets == ["all"] else args.presets
+    names = {"all": list(MAIN), "quadratic": list(QUADRATIC)}.get(args.presets[0], args.presets)
     tok = _smollm2_tokenizer()
     vocab = token_texts(tok) if tok is not None else TINY_VOCAB
     source = TokenSource(tok, vocab)
@@ -114,7 +120,7 @@ def run_scaling(args) -> dict:
     return doc
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scaling", action="store_true", help="cost against N on synthetic keys instead")
     ap.add_argument("--length", type=int, default=8192)
@@ -127,6 +133,11 @@ def main(argv=None) -> int:
                     help="reconstruction passes timed (kvzip presets; 0: skip)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.length < 16 or args.rounds < 1 or args.reps < 1 or not 0 < args.keep < 1:
         ap.error("--length >= 16, --rounds >= 1, --reps >= 1 and 0 < --keep < 1")
@@ -135,9 +146,9 @@ def main(argv=None) -> int:
     out = args.out or RESULTS / ("cost_scaling.json" if args.scaling else f"cost_smollm2_{args.length}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    key = "slope" if args.scaling else "share_median"
+    key, cpu_key = ("slope", "cpu_slope") if args.scaling else ("share_median", "cpu_share_median")
     for name, rec in doc["presets"].items():
-        extra = f"  cpu_share_median {rec['cpu_share_median']:.4f}" if "cpu_share_median" in rec else ""
+        extra = f"  {cpu_key} {rec[cpu_key]:.4f}" if cpu_key in rec else ""
         print(f"{name:28s} {key} {rec[key]:.4f}{extra}")
     print(f"results: {out}")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,3 +378,53 @@ def test_cost_helpers_on_tiny_states():
     scal = cost.scaling({"centroidkv": configs["centroidkv"]}, [128, 256], reps=1, heads=2, head_dim=16, q_heads=4,
                         window=8)
     assert len(scal["centroidkv"]["seconds"]) == 2 and math.isfinite(scal["centroidkv"]["slope"])
+
+
+def _doc_commands(prefix: str) -> list[list[str]]:
+    """Every command of docs/performance.md's bash blocks that starts with ``prefix``
+    (continuation lines joined), split like a shell would, without the prefix."""
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].strip()
+            for part in re.split(r"\s*&&\s*", line):
+                part = re.sub(r"^(HF_HUB_OFFLINE=1\s+|nice -n \d+\s+)+", "", part)
+                if part.startswith(prefix):
+                    out.append(shlex.split(part[len(prefix):]))
+    return out
+
+
+def test_performance_page_commands_parse():
+    """The commands docs/performance.md says the figures came from are valid for the scripts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cost", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "bench_cost.py")
+    bench_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_cost)
+    cost_cmds = _doc_commands("python benchmarks/bench_cost.py")
+    assert len(cost_cmds) >= 3
+    for argv in cost_cmds:
+        bench_cost.parser().parse_args(argv)
+    from kvcompress import cli_bench
+
+    bench_cmds = _doc_commands("python -m kvcompress.cli bench") + _doc_commands("kvcompress bench")
+    assert bench_cmds
+    for argv in bench_cmds:
+        parser = argparse.ArgumentParser()
+        cli_bench.add_parser(parser.add_subparsers())
+        cli_bench.settings_from_args(parser.parse_args(["bench", *argv]))
+
+
+def test_floors_table_reports_the_bandwidth_floor():
+    from kvcompress.bench import report
+
+    floors = {"floors": [{"name": "bandwidth_smollm2_8k", "rule": "r", "pass": False, "items": [
+        {"method": "semanticache", "backend": "sdpa", "share_of_floor": 0.2, "tpot_vs_plain": 1.5, "pass": False},
+        {"method": "full-stock", "backend": "stock-sdpa", "share_of_floor": 0.16, "tpot_vs_plain": 1.0, "pass": None}]}]}
+    text = report.floors_table(floors)
+    assert "semanticache (sdpa): 20% of the floor, 1.5x plain" in text and "**FAIL**" in text

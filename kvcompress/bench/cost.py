@@ -164,23 +164,28 @@ def loglog_slope(lengths: Sequence[int], seconds: Sequence[float]) -> float:
 
 def scaling(configs: dict, lengths: Sequence[int], *, reps: int = 3, ids_for=None, vocab=None, log=None,
             **shape) -> dict:
-    """{name: {"lengths", "seconds" (median of reps), "slope"}}; lengths interleaved per rep.
+    """{name: {"lengths", "seconds" (median of reps), "slope", "cpu_seconds", "cpu_slope"}}; lengths
+    interleaved per rep. The CPU-time slope is the steadier one on a loaded machine.
 
     ids_for: length -> [1, N] token ids (text-aware chunkers and guards need them), or None
     """
     times = {name: {n: [] for n in lengths} for name in configs}
+    cpus = {name: {n: [] for n in lengths} for name in configs}
     cached = {n: synthetic_states(n, token_ids=None if ids_for is None else ids_for(n), vocab=vocab, **shape)
               for n in lengths}
     for rep in range(reps):
         for n in lengths:
             for name, cfg in configs.items():
-                wall, _ = compression_seconds(cfg, cached[n], warmup=rep == 0)
+                wall, cpu = compression_seconds(cfg, cached[n], warmup=rep == 0)
                 times[name][n].append(wall)
+                cpus[name][n].append(cpu)
                 if log:
-                    log(f"rep {rep} N={n} {name}: {wall * 1e3:.1f} ms")
+                    log(f"rep {rep} N={n} {name}: {wall * 1e3:.1f} ms (cpu {cpu * 1e3:.1f} ms)")
     out = {}
     for name in configs:
         med = [statistics.median(times[name][n]) for n in lengths]
+        cpu_med = [statistics.median(cpus[name][n]) for n in lengths]
         out[name] = {"lengths": list(lengths), "seconds": med, "all_seconds": [times[name][n] for n in lengths],
-                     "slope": loglog_slope(lengths, med)}
+                     "slope": loglog_slope(lengths, med), "cpu_seconds": cpu_med,
+                     "all_cpu_seconds": [cpus[name][n] for n in lengths], "cpu_slope": loglog_slope(lengths, cpu_med)}
     return out

@@ -75,6 +75,9 @@ def floors_table(results: dict) -> str:
         elif f["name"] == "compression_overhead_8k":
             measured = "; ".join(f"{i['preset']} {i['budget']}: {i['share']:.1%}" for i in items
                                  if i.get("share") is not None)
+        elif f["name"].startswith("bandwidth_"):
+            measured = "; ".join(f"{i['method']} ({i['backend']}): {i['share_of_floor']:.0%} of the floor, "
+                                 f"{i['tpot_vs_plain']}x plain" for i in items if i.get("share_of_floor") is not None)
         else:
             keys = {"attention_32k": ("speedup", "x"), "tpot_smollm2_8k": ("share_of_bound", " of bound")}
             k, unit = keys.get(f["name"], ("speedup", ""))
