@@ -64,9 +64,11 @@ def test_bad_settings_name_the_parameter(data, name):
         Settings.from_mapping(data)
 
 
-def test_bad_env_flag():
+def test_bad_env_values():
     with pytest.raises(ValueError, match="KVCOMPRESS_VLLM_FREE"):
         Settings.from_env({"KVCOMPRESS_VLLM_PRESET": "semanticache", "KVCOMPRESS_VLLM_FREE": "maybe"})
+    with pytest.raises(ValueError, match="KVCOMPRESS_VLLM_OVERRIDES"):
+        Settings.from_env({"KVCOMPRESS_VLLM_PRESET": "semanticache", "KVCOMPRESS_VLLM_OVERRIDES": "{recent: 8"})
 
 
 @pytest.mark.parametrize("preset, why", [("h2o", "accumulated attention"), ("kvzip", "model pass")])

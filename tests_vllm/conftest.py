@@ -28,6 +28,11 @@ BLOCK = 32
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
+    """The converted SmolLM2 folder: $KVCOMPRESS_VLLM_MODEL (.ci/vllm converts it in the project
+    venv, which has the GGUF package), else converted here."""
+    given = os.environ.get("KVCOMPRESS_VLLM_MODEL")
+    if given:
+        return given
     from kvcompress.vllm.convert import smollm2_folder
 
     return str(smollm2_folder())

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..api import budget_overrides
-from ..config import PipelineConfig
 from ..budget import target_slots
+from ..config import PipelineConfig
 from ..pipeline import Pipeline
 from ..presets import get_preset
 from ..protocols import budget_scope_of
@@ -129,7 +129,11 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         env = os.environ if environ is None else environ
-        overrides = json.loads(env[ENV_OVERRIDES]) if env.get(ENV_OVERRIDES) else {}
+        try:
+            overrides = json.loads(env[ENV_OVERRIDES]) if env.get(ENV_OVERRIDES) else {}
+        except json.JSONDecodeError:
+            raise ValueError(f"{ENV_OVERRIDES}={env[ENV_OVERRIDES]!r} is invalid: expected a JSON object of "
+                             "PipelineConfig overrides") from None
         free = env.get(ENV_FREE, "1").strip().lower()
         require(free in ("0", "1", "true", "false", "yes", "no"), ENV_FREE, env.get(ENV_FREE), "1 or 0")
         return cls.from_mapping({"preset": env.get(ENV_PRESET) or None, "budget": env.get(ENV_BUDGET) or None,

@@ -63,8 +63,6 @@ class _CompressingWorker:
                 impl = getattr(module, "impl", None)
                 if not isinstance(kv, torch.Tensor) or impl is None or not hasattr(impl, "head_size"):
                     continue
-                if isinstance(kv, (list, tuple)):
-                    kv = kv[0]
                 k, v = kv.transpose(1, 2).split(impl.head_size, dim=-1)
                 H, D = impl.num_kv_heads, impl.head_size
                 found.append((extract_layer_index(name), k.view(-1, H, D), v.view(-1, H, D), H))
