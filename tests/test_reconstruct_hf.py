@@ -77,11 +77,17 @@ def test_kvzip_presets_through_generate(model, tok):
         assert len(res.token_ids) >= 1
 
 
-def test_for_model_without_tokenizer_is_a_clear_error(model):
+def test_for_model_without_tokenizer_is_a_clear_error(model, tok):
+    """No tokenizer, no repeat prompt: no pass is registered, and the prefill's compression says
+    where the scores come from (the forward is undone)."""
     from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
 
-    with pytest.raises(ValueError, match="tokenizer"):
-        CompressedCache.for_model(model, None, "kvzip", vocab=["x"] * model.config.vocab_size)
+    cache = CompressedCache.for_model(model, None, "kvzip", vocab=["x"] * model.config.vocab_size, backend="sdpa")
+    assert not cache.prefill_hooks
+    with pytest.raises(ValueError, match="tokenizer"), torch.inference_mode():
+        model.base_model(input_ids=_ids(tok, 40), use_cache=True, **{cache_kwarg(model.base_model): cache})
+    cache.close()
     assert model.config._attn_implementation == "kvcompress"
 
 

@@ -195,7 +195,7 @@ class CompressedCache(Cache):
             vocab = token_texts(tokenizer)
         cache = cls(pipeline, num_layers=geometry.num_layers, vocab=vocab, backend=backend, geometry=geometry,
                     sliding_windows=sliding_windows(model), record=record, **overrides)
-        if cache.scheduler.needs.model_pass:  # e.g. the reconstruction scorer: its pass runs at the prefill's end
+        if cache.scheduler.needs.model_pass and tokenizer is not None:  # the reconstruction pass at the prefill's end
             from .reconstruct import prefill_hook
 
             cache.add_prefill_hook(prefill_hook(tokenizer))

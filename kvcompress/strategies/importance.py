@@ -39,7 +39,7 @@ def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> T
     x = state.stats.get(STAT)
     require(x is not None, f"{who}: state.stats[{STAT!r}]", None,
             "reconstruction scores of the layer: they come from a model pass after the prefill "
-            "(kvcompress.hf.reconstruct; a CompressedCache bound to the model runs it); a pipeline used "
+            "(kvcompress.hf.reconstruct; CompressedCache.for_model(model, tokenizer, ...) runs it); a pipeline used "
             "without model access cannot compute them")
     require(isinstance(x, Tensor) and tuple(x.shape) == tuple(state.log_sizes.shape), f"{who}: {STAT}",
             tuple(getattr(x, "shape", ())), f"a [B, H, N] tensor of shape {tuple(state.log_sizes.shape)}")
