@@ -137,8 +137,6 @@ def test_agreement_runs_the_fitted_presets(model, tok, tmp_path):
 
 
 @pytest.mark.parametrize("queries", ["window", "reconstruction", "window+reconstruction"])
-@pytest.mark.xfail(strict=False, reason="main's eval/reconstruction.py copy path predates the redesign "
-                   "(hf.attention.STEP_KEY); h18's cb4704a replaces it with compressed_copy: drop this mark then")
 def test_importance_guided_clusters_with_the_fitted_merger(model, tok, ids, queries):
     """kvzip-csm's clusters, slots fitted to the prefill queries, the reconstruction pass's
     queries or both: the copy gets the right queries and equals a real prefill with the pass."""
@@ -199,8 +197,6 @@ def test_decode_time_recompression_of_fitted_slots(model, tok, ids):
     cache.close()
 
 
-@pytest.mark.xfail(strict=True, reason="kvcompress/hf/layer.py (CompressedLayer) does not store KVState.counts: "
-                   "a cached fitted slot's token count falls back to exp(bias)")
 def test_the_cache_keeps_token_counts_apart_from_the_fitted_bias(model, tok, ids):
     cache = _decoded_cache(model, tok, ids)
     T = ids.shape[1] + 30

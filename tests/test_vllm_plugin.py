@@ -298,11 +298,17 @@ def test_reference_positions_are_the_transformers_rule():
         assert reference_positions(P, R).tolist() == strided_queries(q, R, None)[0, 0, :, 0].long().tolist()
 
 
+# the fitted presets default to the layer's last queries (the query window); these tests pin the
+# strided prefill sample, the path that needs reference queries collected across steps
+PREFILL_QUERIES = {"merger.queries": "prefill", "merger.reference_queries": 64}
+
+
 def test_queries_are_kept_across_the_steps_of_a_chunked_prefill():
-    """semanticache-fitted needs 64 strided reference queries: they come from every chunk."""
+    """semanticache-fitted on strided prefill queries needs 64 reference queries: they come from every chunk."""
     from kvcompress.vllm.runtime import reference_positions
 
-    state = WorkerState(settings=Settings("semanticache-fitted", 0.5), block_size=BS, num_layers=L)
+    state = WorkerState(settings=Settings("semanticache-fitted", 0.5, overrides=PREFILL_QUERIES),
+                        block_size=BS, num_layers=L)
     P, Hq = 300, 4
     full = torch.randn(P, Hq, D)  # the query of every prompt position (one layer)
     for done, n in [(0, 128), (128, 128), (256, 44)]:
@@ -327,7 +333,7 @@ def test_fitted_compaction_uses_the_reference_queries():
     layers, _ = _paged(4)
     slots = prompt_slots(block_ids, P, BS)
     ids = _tokens(4, P)
-    settings = Settings("semanticache-fitted", 0.5, overrides={"sinks": 1, "recent": 2})
+    settings = Settings("semanticache-fitted", 0.5, overrides={"sinks": 1, "recent": 2, **PREFILL_QUERIES})
     pipeline = settings.pipeline()
     R = pipeline.needs.reference_queries
     gen = torch.Generator().manual_seed(9)

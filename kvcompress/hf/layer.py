@@ -47,6 +47,7 @@ class LayerSnapshot:
     compressed: bool
     last_report: object
     device: object
+    counts: Tensor | None = None  # the token-count buffer, when the layer keeps one
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -70,6 +71,9 @@ class CompressedLayer(CacheLayerMixin):
         self._ls: Tensor | None = None  # [B, H, cap] float32
         self._pos: Tensor | None = None  # [B, H, cap] long
         self._sx: dict[str, Tensor] = {}  # per-slot statistics [B, H, cap, ...]
+        # [B, H, cap] float32 tokens per slot, kept only once a state whose counts differ from
+        # exp(log_sizes) is installed (a fitted bias): otherwise exp(bias) is the count
+        self._cnt: Tensor | None = None
         self.extras: dict = {}  # carried data of the layer's state (decode frontier, reference queries, ...)
         self.n = 0  # slots in use (padding slots of heads with fewer slots included)
         self.num_tokens = 0  # tokens seen
@@ -115,6 +119,7 @@ class CompressedLayer(CacheLayerMixin):
         stats = {name: buf[:, :, : self.n] for name, buf in self._sx.items()}
         return KVState(
             keys=self.keys, values=self.values, log_sizes=self.log_sizes, positions=self.positions,
+            counts=None if self._cnt is None else self._cnt[:, :, : self.n],
             num_tokens=self.num_tokens, token_ids=None if token_ids is None else token_ids[:, : self.num_tokens],
             seq_start=seq_start, vocab=vocab, extras=extras, stats=stats,
         )
@@ -204,6 +209,8 @@ class CompressedLayer(CacheLayerMixin):
         B0 = self._k.shape[0]
         self._k, self._v, self._ls, self._pos = fn(self._k), fn(self._v), fn(self._ls), fn(self._pos)
         self._sx = {name: fn(buf) for name, buf in self._sx.items()}
+        if self._cnt is not None:
+            self._cnt = fn(self._cnt)
         self.extras = {name: fn(x) if isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] == B0 else x
                        for name, x in self.extras.items()}
         if self.queries is not None:
@@ -226,10 +233,13 @@ class CompressedLayer(CacheLayerMixin):
             return
         new_cap = _round_up(max(needed, cap + cap // 2))
         old = (self._k, self._v, self._ls, self._pos)
-        old_sx = self._sx
+        old_sx, old_cnt = self._sx, self._cnt
         B, H, _, D = self._k.shape
         self._allocate(B, H, D, self._v.shape[-1], new_cap, self._k.dtype, self._k.device)
         n = self.n
+        if old_cnt is not None:
+            self._cnt = torch.zeros(B, H, new_cap, dtype=torch.float32, device=self._k.device)
+            self._cnt[:, :, :n] = old_cnt[:, :, :n]
         for new, prev in zip((self._k, self._v, self._ls, self._pos), old):
             new[:, :, :n] = prev[:, :, :n]
         for name, prev in old_sx.items():
@@ -256,6 +266,8 @@ class CompressedLayer(CacheLayerMixin):
         self._v[:, :, sl] = values
         for buf in self._sx.values():
             buf[:, :, sl] = 0
+        if self._cnt is not None:
+            self._cnt[:, :, sl] = 1.0 if pad is None else (~pad).float()[:, None, :].expand(B, H, q)
         self.n += q
         self.num_tokens += q
 
@@ -284,6 +296,10 @@ class CompressedLayer(CacheLayerMixin):
         self._pos[:, :, :N] = state.positions
         for name, x in state.stats.items():
             self._sx[name][:, :, :N] = x
+        self._cnt = None
+        if state.counts is not None and not torch.equal(state.token_counts(), state.log_sizes.exp()):
+            self._cnt = torch.zeros(B, H, self.capacity, dtype=torch.float32, device=state.keys.device)
+            self._cnt[:, :, :N] = state.token_counts()
         extras = dict(state.extras)
         queries = extras.pop(QUERIES, None)
         if queries is not None:
@@ -315,11 +331,12 @@ class CompressedLayer(CacheLayerMixin):
         stats = {name: buf[:, :, : self.n].clone() for name, buf in self._sx.items()}
         return LayerSnapshot((self._k, self._v, self._ls, self._pos), dict(self._sx), stats, self.n,
                              self.num_tokens, self.queries, dict(self.extras), self.compressed, self.last_report,
-                             self.device)
+                             self.device, self._cnt)
 
     def restore(self, snap: LayerSnapshot) -> None:
         self._k, self._v, self._ls, self._pos = snap.buffers
         self._sx = dict(snap.stat_buffers)
+        self._cnt = snap.counts
         self.stat_specs.update({name: (tuple(b.shape[3:]), b.dtype) for name, b in self._sx.items()})
         self.n, self.num_tokens, self.queries = snap.n, snap.num_tokens, snap.queries
         self.extras, self.compressed, self.last_report, self.device = dict(snap.extras), snap.compressed, \
