@@ -32,6 +32,16 @@ from .sentences import (
 SIGNALS = ("query", "literal", "novelty")
 
 
+def decided_for(ids: Tensor | None, state: KVState) -> bool:
+    """True when a cross-layer guard's decision, made for token ids ``ids`` [B, T0], holds for
+    ``state``: the same rows, whose first T0 tokens are those ids (later tokens were appended)."""
+    if ids is None or state.token_ids is None or state.token_ids.shape[0] != ids.shape[0]:
+        return False
+    if state.token_ids.shape[1] < ids.shape[1]:
+        return False
+    return bool(torch.equal(state.token_ids[:, : ids.shape[1]].to(ids.device), ids))
+
+
 @register_guard("never-merge")
 @dataclass(frozen=True)
 class NeverMergeGuard:
@@ -103,12 +113,7 @@ class SentenceGuard:
 
     # ------------------------------------------------------------------ the decision
     def prepared_for(self, state: KVState) -> bool:
-        ids = self._ids
-        if ids is None or state.token_ids is None or state.token_ids.shape[0] != ids.shape[0]:
-            return False
-        if state.token_ids.shape[1] < ids.shape[1]:
-            return False
-        return bool(torch.equal(state.token_ids[:, : ids.shape[1]].to(ids.device), ids))
+        return decided_for(self._ids, state)
 
     def prepare(self, states: Sequence[KVState], budget: Tensor, already: Tensor) -> None:
         """Choose the sentences for this sequence.

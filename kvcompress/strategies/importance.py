@@ -28,6 +28,7 @@ from ..registry import register_guard, register_scorer
 from ..types import KVState
 from ..validation import check_choice, check_range, require
 from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_sum
+from .guards import decided_for
 
 STAT = "reconstruction"
 REDUCES = ("mean", "sum", "max")
@@ -158,12 +159,7 @@ class ImportanceGuard:
     needs = Needs(model_pass=True)
 
     def prepared_for(self, state: KVState) -> bool:
-        ids = self._ids
-        if ids is None or state.token_ids is None or state.token_ids.shape[0] != ids.shape[0]:
-            return False
-        if state.token_ids.shape[1] < ids.shape[1]:
-            return False
-        return bool(torch.equal(state.token_ids[:, : ids.shape[1]].to(ids.device), ids))
+        return decided_for(self._ids, state)
 
     def prepare(self, states: Sequence[KVState], budget: Tensor, already: Tensor) -> None:
         """states: one KVState per layer (same tokens, with the reconstruction statistic);
