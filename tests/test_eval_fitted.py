@@ -19,27 +19,10 @@ from kvcompress.eval.reconstruction import copy_for
 from kvcompress.eval.results import CellStore
 from kvcompress.eval.runner import Grid
 
-from test_eval_helpers import TEXT, tiny_model, tiny_tokenizer
+from test_eval_helpers import TEXT, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401  (fixtures)
 
 SMALL = {"recent": 8, "sinks": 2}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_model(len(tok))
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """Helpers for the eval tests (no tests here): a tiny word-level tokenizer with a chat template and a tiny
-(built in the test, no downloads)."""
+(built in the test, no downloads), and the module fixtures the eval test files share (import them by name:
+``one_thread`` is autouse, ``tok`` the tokenizer, ``model`` the model)."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 TEXT = ("The cat sat on the mat. The dog ran far, and the big red dog sat down. "
@@ -70,3 +72,22 @@ class ForwardCounter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread avoids oversubscription on a shared 2-core machine (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(len(tok))

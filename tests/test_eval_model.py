@@ -18,29 +18,11 @@ from kvcompress.eval.results import CellStore
 from kvcompress.eval.runner import Grid, run_qa
 from kvcompress.types import KVState
 
-from test_eval_helpers import TEXT, ForwardCounter, tiny_model, tiny_tokenizer
+from test_eval_helpers import TEXT, ForwardCounter, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401,E501  (fixtures)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = {"recent": 8}  # so that the presets can compress a ~150-token prompt
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny tensors: one thread avoids oversubscription on a shared 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_model(len(tok))
 
 
 @pytest.fixture(scope="module")

@@ -9,27 +9,10 @@ import torch
 
 from kvcompress.hf.reconstruct import reconstruction_scores, repeat_prompt_ids
 
-from test_eval_helpers import TEXT, tiny_model, tiny_tokenizer
+from test_eval_helpers import TEXT, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401  (fixtures)
 
 transformers = pytest.importorskip("transformers")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_model(len(tok), layers=2)
 
 
 def _ids(tok, n=90):
