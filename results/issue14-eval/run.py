@@ -26,25 +26,8 @@ from kvcompress.eval.fidelity import fidelity_windows, compare
 from kvcompress.eval.greedy import greedy, build_prompt, stop_ids
 from kvcompress.eval.niah import niah_samples
 from kvcompress.eval.scoring import score
+from kvcompress.eval.agreement import lcs_length as lcs, leading_match as leading
 
-
-def lcs(a, b):
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    return prev[-1]
-
-
-def leading(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def make_cache(model, tok, preset, budget):
