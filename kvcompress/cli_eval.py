@@ -334,16 +334,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _pending(task: str, samples, grid, store) -> int:
     """Cells of the grid not in the store yet (for QA tasks: or computed for another prompt)."""
-    from .eval.results import cell_key
+    from .eval.runner import pending_cells, pending_windows
 
     if task in ("fidelity", "agreement"):
         from .eval.agreement import PROTOCOL as AGREEMENT
         from .eval.fidelity import PROTOCOL
 
         protocol = PROTOCOL if task == "fidelity" else AGREEMENT
-        return sum(not store.done(cell_key(sid, m.label, b, protocol)) for sid, _ in samples
-                   for m, b, _ in grid.cells())
-    from .eval.runner import pending_cells
+        return sum(len(cells) for cells in pending_windows(samples, grid, store, protocol).values())
 
     return sum(len(cells) for cells in pending_cells(samples, grid, store).values())
 

@@ -22,7 +22,7 @@ from .greedy import build_prompt, greedy, stop_ids
 from .methods import Method
 from .reconstruction import copy_for
 from .results import CellStore, cell_key
-from .runner import Grid, progress_bar
+from .runner import Grid, pending_windows, progress_bar, window_records
 
 PROTOCOL = "agnostic"
 INSTRUCTION = "Summarize the text above."
@@ -74,8 +74,7 @@ def run_agreement(model, tokenizer, windows, grid: Grid, store: CellStore, *, ne
             "a non-empty instruction")
     stop = stop_ids(tokenizer)
     full = Method.parse("full")
-    cells_of = {sid: [(m, b) for m, b, _ in grid.cells() if not store.done(cell_key(sid, m.label, b, PROTOCOL))]
-                for sid, _ in windows}
+    cells_of = pending_windows(windows, grid, store, PROTOCOL)
     bar = progress_bar(sum(len(v) for v in cells_of.values()), progress, "agreement")
     try:
         for sid, text in windows:
@@ -120,5 +119,4 @@ def run_agreement(model, tokenizer, windows, grid: Grid, store: CellStore, *, ne
                 bar.set_postfix_str(f"{method.label[:24]}@{budget:g}: lcs {metrics['lcs']:.2f}")
     finally:
         bar.close()
-    keys = [cell_key(sid, m.label, b, PROTOCOL) for sid, _ in windows for m, b, _ in grid.cells()]
-    return [store.records[k] for k in keys if k in store.records]
+    return window_records(windows, grid, store, PROTOCOL)

@@ -23,7 +23,7 @@ from .caches import Recorder
 from .reconstruction import copy_for
 from .data import Haystack
 from .results import CellStore, cell_key
-from .runner import Grid, progress_bar
+from .runner import Grid, pending_windows, progress_bar, window_records
 
 PROTOCOL = "teacher-forced"
 
@@ -74,8 +74,7 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tenso
 def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, prefix: int, chunk: int | None = None,
                  backend: str = "auto", progress: bool = True) -> list[dict]:
     """Every pending (window, method, budget) cell; returns the grid's records."""
-    cells_of = {sid: [(m, b) for m, b, _ in grid.cells() if not store.done(cell_key(sid, m.label, b, PROTOCOL))]
-                for sid, _ in windows}
+    cells_of = pending_windows(windows, grid, store, PROTOCOL)
     bar = progress_bar(sum(len(v) for v in cells_of.values()), progress, "fidelity")
     try:
         for sid, ids in windows:
@@ -119,5 +118,4 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
                 bar.set_postfix_str(f"{method.label[:24]}@{budget:g}: KL {metrics['kl']:.3f}")
     finally:
         bar.close()
-    keys = [cell_key(sid, m.label, b, PROTOCOL) for sid, _ in windows for m, b, _ in grid.cells()]
-    return [store.records[k] for k in keys if k in store.records]
+    return window_records(windows, grid, store, PROTOCOL)

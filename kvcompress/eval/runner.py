@@ -104,6 +104,19 @@ def pending_cells(samples: list, grid: Grid, store: CellStore) -> dict:
     return {s.sample_id: [c for c in grid.cells() if not _finished(store, s, c)] for s in samples}
 
 
+def pending_windows(windows, grid: Grid, store: CellStore, protocol: str) -> dict:
+    """{window id: [(method, budget), ...]} of the cells still to run, for the window tasks
+    (fidelity, agreement: one protocol, windows as (id, data) pairs)."""
+    return {sid: [(m, b) for m, b, _ in grid.cells() if not store.done(cell_key(sid, m.label, b, protocol))]
+            for sid, _ in windows}
+
+
+def window_records(windows, grid: Grid, store: CellStore, protocol: str) -> list[dict]:
+    """The stored records of a window task's grid, in grid order."""
+    keys = [cell_key(sid, m.label, b, protocol) for sid, _ in windows for m, b, _ in grid.cells()]
+    return [store.records[k] for k in keys if k in store.records]
+
+
 def prompt_hash(sample: QASample) -> str:
     """A short hash of what the model reads, so a cell computed for another prompt (the
     generator changed) under the same sample id is run again rather than reused."""
