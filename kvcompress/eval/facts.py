@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 
 from ..validation import check_int, check_range
-from .data import FACT_KINDS, Haystack, add_distractors, count_tokens, fit_tokens, insert_at_depth, make_fact, sub_span
+from .data import FACT_KINDS, Haystack, make_fact
+from .niah import place_in_haystack
 from .runner import QASample
 
 MAX_NEW_TOKENS = 24
@@ -28,13 +29,8 @@ def fact_samples(tokenizer, haystack: Haystack, lengths, depths, samples: int = 
             for depth in depths:
                 check_range("depth", depth, 0.0, 1.0)
                 fact = make_fact(kind, random.Random(f"fact-{seed}-{kind}-{length}-{depth}-{s}"))
-                need = max(length - count_tokens(tokenizer, f" {fact.sentence} "), 1)
-                filler = haystack.window(tokenizer, need, random.Random(f"niah-haystack-{seed}-{length}-{s}"))
-                if distractors:
-                    filler = add_distractors(filler, random.Random(f"distractors-{seed}-{length}-{s}"))
-                    filler = fit_tokens(tokenizer, filler, need)
-                ctx = insert_at_depth(filler, [("needle", fact.sentence, depth)])
-                spans = {"needle": ctx.spans["needle"], "value": sub_span(ctx, "needle", fact.value)}
+                ctx, spans = place_in_haystack(tokenizer, haystack, fact.sentence, fact.value, length, depth, s,
+                                               seed, distractors)
                 task = f"fact_{kind}" + ("_distractors" if distractors else "")
                 out.append(QASample(
                     sample_id=f"{task}-L{length}-d{depth:g}-s{s}", task=task, context=ctx.text,
