@@ -305,15 +305,11 @@ def run(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    if task == "niah":
+    if task in ("niah", "ruler"):
         from .eval.runner import run_qa
+        protect = "needle" if task == "niah" and args.protect_needle else None
         records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
-                         protect="needle" if args.protect_needle else None, progress=not args.no_progress,
-                         max_new_tokens=args.max_new_tokens)
-    elif task == "ruler":
-        from .eval.runner import run_qa
-        records = run_qa(model, tokenizer, samples, grid, store, chat=args.chat, backend=args.backend,
-                         progress=not args.no_progress, max_new_tokens=args.max_new_tokens)
+                         protect=protect, progress=not args.no_progress, max_new_tokens=args.max_new_tokens)
     elif task == "agreement":
         from .eval.agreement import run_agreement
         records = run_agreement(model, tokenizer, samples, grid, store, new_tokens=args.new_tokens,
