@@ -139,14 +139,15 @@ class CompressedLayer(CacheLayerMixin):
         return (self.log_sizes > NEG_INF).sum(-1)
 
     def nbytes(self) -> int:
-        """Bytes of keys, values and log-sizes of the slots in use."""
+        """Bytes of keys, values, log-sizes (and token counts, when kept) of the slots in use."""
         if self._k is None:
             return 0
         B, H, _, D = self._k.shape
-        return B * H * self.n * (D * (self._k.element_size() + self._v.element_size()) + 4)
+        per_slot = D * (self._k.element_size() + self._v.element_size()) + 4 + (4 if self._cnt is not None else 0)
+        return B * H * self.n * per_slot
 
     def allocated_bytes(self) -> int:
-        bufs = (self._k, self._v, self._ls, self._pos, *self._sx.values())
+        bufs = (self._k, self._v, self._ls, self._pos, self._cnt, *self._sx.values())
         return sum(t.numel() * t.element_size() for t in bufs if t is not None)
 
     def full_bytes(self) -> int:
