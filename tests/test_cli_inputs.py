@@ -53,7 +53,7 @@ def test_demo_arguments_fail_before_the_model_loads(no_model, capsys, tmp_path):
     bad.write_text("{not json")
     _fails(capsys, ["demo", "--preset", str(bad)], "bad.json", "readable pipeline JSON")
     _fails(capsys, ["demo", "--preset", "no-such-preset"], "preset='no-such-preset'", "one of")
-    _fails(capsys, ["demo", "--preset", "semanticache", "--set", "clusterer.tau=2"], "--set clusterer.tau=2", "tau=2", "[-1.0, 1.0]")
+    _fails(capsys, ["demo", "--set", "clusterer.tau=2"], "--set clusterer.tau=2", "tau=2", "[-1.0, 1.0]")
     _fails(capsys, ["demo", "--set", "chunker.size=0", "--preset", "semanticache-fixed64"], "size=0")
     _fails(capsys, ["demo", "--budget", "20"], "max_slots=20", "sinks + recent = 4 + 32", "keep-ratio")
     _fails(capsys, ["demo", "--budget", "1.5"], "--budget=1.5", "(0, 1]")
@@ -76,9 +76,9 @@ def test_demo_cuda_on_a_build_without_it_fails_before_loading(no_model, capsys, 
 
 def test_debug_shows_the_traceback(no_model, capsys):
     with pytest.raises(ValueError, match="tau=2"):
-        cli.main(["demo", "--preset", "semanticache", "--set", "clusterer.tau=2", "--debug"])
+        cli.main(["demo", "--set", "clusterer.tau=2", "--debug"])
     with pytest.raises(ValueError, match="tau=2"):
-        cli.main(["--debug", "demo", "--preset", "semanticache", "--set", "clusterer.tau=2"])
+        cli.main(["--debug", "demo", "--set", "clusterer.tau=2"])
 
 
 def test_unexpected_failures_are_one_line_with_status_1(monkeypatch, capsys):
