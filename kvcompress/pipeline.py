@@ -17,8 +17,8 @@ from torch import Tensor
 
 from .budget import target_slots as budget_slots
 from .config import PipelineConfig, as_config
-from .protocols import (ClusterPlan, CrossLayerGuard, FloorAware, Needs, PersistentGuard, budget_scope_of,
-                        needs_of)
+from .protocols import (ClusterPlan, CrossLayerGuard, FitsComposedPlan, FloorAware, Needs, PersistentGuard,
+                        budget_scope_of, needs_of)
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
 from .validation import check_int, require
@@ -133,6 +133,30 @@ def join_chunks(valid: Tensor, chunk_ids: Tensor, groups: Tensor) -> Tensor:
     g = groups.clamp(min=1)[..., None].to(ids.device)
     joined = torch.div(rank * g, count.clamp(min=1), rounding_mode="floor")
     return torch.where((ids >= 0) & (count > g), joined, chunk_ids)
+
+
+def compose_plans(outer: Tensor, parent: Tensor) -> Tensor:
+    """One plan over the input slots for two rounds of merging.
+
+    outer:  [B, H, N] long, the first round's plan over the input slots (as a Merger takes it:
+            parent[n] == n keeps n as a representative; the merged state's slot j is the j-th
+            representative of its head, in slot order; -1 drops n)
+    parent: [B, H, M] long, the second round's plan over the merged state's slots
+    returns [B, H, N] long: each input slot merged straight into the input slot that represents
+            its final cluster (-1 when either round dropped it). Representatives stay in slot
+            order, so applying it gives the second round's slots in their order.
+    """
+    B, H, N = outer.shape
+    M = parent.shape[-1]
+    slot = torch.arange(N, device=outer.device)
+    is_rep = outer == slot
+    mid_of_rep = is_rep.long().cumsum(-1) - 1  # merged-state slot of each representative
+    # input slot behind every merged-state slot (index M: a dump for the non-representatives)
+    rep_input = torch.full((B, H, M + 1), -1, dtype=torch.long, device=outer.device)
+    rep_input.scatter_(-1, torch.where(is_rep, mid_of_rep, M), slot.expand(B, H, N).contiguous())
+    mid = torch.where(outer >= 0, mid_of_rep.gather(-1, outer.clamp(min=0)), -1)  # [B, H, N]
+    final = torch.where(mid >= 0, parent.gather(-1, mid.clamp(min=0)), -1)
+    return torch.where(final >= 0, rep_input.gather(-1, final.clamp(min=0)), -1)
 
 
 # the chunking levels, mildest first; Chunking.level names the deepest one any head needed
@@ -378,6 +402,10 @@ class Pipeline:
             state = state.replace(protected=protect if own is None else own | protect)
         target = self._row_targets(state, self._targets(state, layer_idx, target_floor))
         current = state = self._prepared(state, target_floor)
+        # a merger fitted once: the rounds merge with its plain merger, their plans composed
+        fits_once = isinstance(self.merger, FitsComposedPlan)
+        merger = self.merger.round_merger if fits_once else self.merger
+        composed = None  # [B, H, N] long over state's slots, once a round has merged
         taus = None
         rounds = 0
         level = 0
@@ -398,7 +426,9 @@ class Pipeline:
             parent = self._checked_plan(current, plan.parent, protected, chunk_ids)
             if plan.tau is not None:
                 taus = plan.tau
-            merged = self.merger(current, parent)
+            merged = merger(current, parent)
+            if fits_once:
+                composed = parent if composed is None else compose_plans(composed, parent)
             rounds += 1
             progressed = merged.num_slots < current.num_slots or bool(
                 (merged.valid.sum(-1) < slots).any())
@@ -406,6 +436,8 @@ class Pipeline:
             if plan.done or not progressed:
                 break
 
+        if composed is not None:
+            current = self.merger.fit_plan(state, composed, current)
         if protect is not None:
             current = current.replace(protected=None if own is None else _carried(own, state, current))
         slots = current.valid.sum(-1)

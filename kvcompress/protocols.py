@@ -189,6 +189,25 @@ class FloorAware(Protocol):
 
 
 @runtime_checkable
+class FitsComposedPlan(Protocol):
+    """A merger that is applied once to the whole compression: the pipeline runs every round with
+    its ``round_merger`` (plain bookkeeping: positions, protection, counts, stats), composes the
+    rounds' plans into one plan over the input slots, and calls ``fit_plan`` once after the last
+    round, so each final slot is fitted against the original member slots (e.g. ``fitted``)."""
+
+    @property
+    def round_merger(self) -> Merger:
+        """The merger of every round (its slots are what ``fit_plan`` starts from)."""
+        ...
+
+    def fit_plan(self, state: KVState, parent: Tensor, merged: KVState) -> KVState:
+        """state: the compression's input; parent: [B, H, N] long, the rounds' plans composed
+        over ``state``'s slots (a plan as ``Merger`` takes); merged: the last round's state (the
+        same slots as ``round_merger(state, parent)``) -> ``merged`` with its slots refitted."""
+        ...
+
+
+@runtime_checkable
 class AppendMonotone(Protocol):
     """A chunker whose floor (anchors + one slot per chunk) never drops when raw tokens are
     appended, when ``append_monotone`` is True (lets DecodeCompressor remember floors)."""

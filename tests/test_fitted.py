@@ -393,10 +393,157 @@ def test_works_in_a_pipeline_with_any_clusterer(clusterer):
     cfg = get_preset(preset, keep_ratio=0.25, sinks=2, recent=8).replace(
         merger={"name": "fitted", "params": {"queries": "prefill"}})
     out, report = Pipeline(cfg).compress(state)
-    mean, _ = Pipeline(get_preset(preset, keep_ratio=0.25, sinks=2, recent=8)).compress(state)
+    # with counts set, the mean merger sums them exactly (else it keeps only log(count))
+    mean, _ = Pipeline(get_preset(preset, keep_ratio=0.25, sinks=2, recent=8)).compress(
+        state.replace(counts=state.token_counts()))
     assert report.budget_met and out.valid.sum(-1).tolist() == mean.valid.sum(-1).tolist()
-    # later rounds see the fitted keys, so the plans may differ; every token is still counted once
+    # the rounds merge as the mean merger does (the fit runs once, after them): the same plan
+    assert torch.equal(out.positions, mean.positions) and torch.equal(out.token_counts(), mean.token_counts())
     assert torch.equal(out.token_counts().sum(-1), torch.full((1, 2), 128.0))
     q = state.extras["reference_queries"]
     full = outputs(state, q)
     assert rel_err(out, full, q) < rel_err(mean, full, q)
+
+
+# ---------------------------------------------------------------------------- fit once, after the rounds
+def reference_composition(plans: list[torch.Tensor]) -> torch.Tensor:
+    """The rounds' plans composed with plain loops: follow each input slot round by round to the
+    slot it ends in, and name that slot by the input slot whose chain of representatives it is."""
+    B, H, N = plans[0].shape
+    out = torch.full((B, H, N), -1, dtype=torch.long)
+    for b in range(B):
+        for h in range(H):
+            behind = list(range(N))  # input slot behind each slot of the current state
+            where = list(range(N))  # current slot of each input slot (None: dropped)
+            for plan in plans:
+                p = plan[b, h].tolist()
+                reps = [j for j in range(len(p)) if p[j] == j]
+                new_index = {j: i for i, j in enumerate(reps)}
+                where = [None if w is None or p[w] < 0 else new_index[p[w]] for w in where]
+                behind = [behind[j] for j in reps]
+            for n in range(N):
+                if where[n] is not None:
+                    out[b, h, n] = behind[where[n]]
+    return out
+
+
+class RecordingFit:
+    """A FitsComposedPlan merger that records what the pipeline hands it, then fits as ``inner``."""
+
+    def __init__(self, inner: FittedMerger):
+        self.inner, self.rounds, self.composed = inner, [], None
+
+    @property
+    def round_merger(self):
+        def merge(state, parent):
+            self.rounds.append(parent.clone())
+            return self.inner.round_merger(state, parent)
+        return merge
+
+    def fit_plan(self, state, parent, merged):
+        self.composed = parent.clone()
+        return self.inner.fit_plan(state, parent, merged)
+
+
+def test_the_merger_is_declared_to_fit_once():
+    from kvcompress.protocols import FitsComposedPlan, Merger
+
+    assert isinstance(FittedMerger(), FitsComposedPlan) and isinstance(FittedMerger().round_merger, Merger)
+    assert not isinstance(MERGERS.create("mean", {}), FitsComposedPlan)
+
+
+@given(seed=st.integers(0, 10_000), rounds=st.integers(1, 4), drop=st.booleans())
+@CORE_SETTINGS
+def test_composed_plans_equal_the_rounds(seed, rounds, drop):
+    """Random multi-round plans (merges into any later or earlier representative, drops, heads of
+    different lengths): the composed plan equals the loop reference and, applied once, gives the
+    rounds' positions, protection, counts and stats exactly, their keys and values up to rounding."""
+    from kvcompress.pipeline import compose_plans
+
+    g = torch.Generator().manual_seed(seed)
+    B, H, N, D = 2, 2, 20, 4
+    state = KVState.from_raw(torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g))
+    state = state.replace(protected=torch.rand(B, H, N, generator=g) < 0.2,
+                          stats={"attn_acc": torch.rand(B, H, N, generator=g)})
+    current, plans, composed = state, [], None
+    for _ in range(rounds):
+        n = current.num_slots
+        reps = torch.rand(B, H, n, generator=g) < 0.5
+        reps[..., 0] = True  # padding comes last: slot 0 is valid
+        reps &= current.valid
+        idx = torch.arange(n).expand(B, H, n)
+        rep_ids = torch.where(reps, idx, n)
+        # each non-representative merges into a random representative of its head
+        pick = torch.randint(0, n, (B, H, n), generator=g)
+        target = torch.where(reps.gather(-1, pick), pick, rep_ids.amin(-1, keepdim=True).expand(B, H, n))
+        parent = torch.where(reps, idx, target)
+        if drop:
+            parent = torch.where(~reps & (torch.rand(B, H, n, generator=g) < 0.3), -1, parent)
+        parent = torch.where(current.valid, parent, -1)
+        plans.append(parent)
+        current = apply_merge_plan(current.replace(counts=current.token_counts()), parent)
+        composed = parent if composed is None else compose_plans(composed, parent)
+    assert torch.equal(composed, reference_composition(plans))
+    once = apply_merge_plan(state.replace(counts=state.token_counts()), composed)
+    assert once.num_slots == current.num_slots
+    for name in ("positions", "protected", "counts", "valid"):
+        assert torch.equal(getattr(once, name), getattr(current, name)), name
+    assert torch.allclose(once.stats["attn_acc"], current.stats["attn_acc"], atol=1e-6)
+    ok = current.valid[..., None]
+    assert torch.allclose(once.keys * ok, current.keys * ok, atol=1e-5)
+    assert torch.allclose(once.values * ok, current.values * ok, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset, min_rounds", [("centroidkv", 2), ("semanticache-fixed64", 1)])
+def test_a_pipeline_fits_once_on_the_composed_plan_against_the_original_members(preset, min_rounds):
+    """The pipeline's rounds merge as the mean merger's (same plan, same bookkeeping), and the
+    result is the fit of the loop-composed plan against the input slots."""
+    from kvcompress.pipeline import Pipeline
+    from kvcompress.presets import get_preset
+
+    state, _ = clustered_state(11, N=160, size=4)
+    state = state.replace(stats={"attn_acc": torch.rand(state.log_sizes.shape, generator=torch.Generator().manual_seed(1))})
+    base = get_preset(preset, keep_ratio=0.25, sinks=2, recent=8)
+    mean, _ = Pipeline(base).compress(state.replace(counts=state.token_counts()))
+    pipe = Pipeline(base.replace(merger={"name": "fitted", "params": {"queries": "prefill"}}))
+    recorder = RecordingFit(pipe.merger)
+    pipe.merger = recorder
+    out, report = pipe.compress(state)
+    assert report.rounds == len(recorder.rounds) >= min_rounds  # CSM: several rounds, one fit
+    composed = reference_composition(recorder.rounds)
+    assert torch.equal(recorder.composed, composed)
+    for name in ("positions", "valid"):
+        assert torch.equal(getattr(out, name), getattr(mean, name)), name
+    assert torch.equal(out.token_counts(), mean.token_counts())
+    assert torch.allclose(out.stats["attn_acc"], mean.stats["attn_acc"], atol=1e-5)
+    direct = FittedMerger(queries="prefill")(state, composed)  # one fit of the composed plan
+    assert torch.equal(direct.positions, out.positions) and torch.equal(direct.counts, out.counts)
+    for a, b in ((out.keys, direct.keys), (out.values, direct.values), (out.log_sizes, direct.log_sizes)):
+        ok = torch.isfinite(b)
+        assert torch.equal(ok, torch.isfinite(a)) and torch.allclose(a[ok], b[ok], atol=1e-4)
+    # fitted against the original members, it is closer to the full attention than the mean
+    q = state.extras["reference_queries"]
+    full = outputs(state, q)
+    assert rel_err(out, full, q) < 0.7 * rel_err(mean, full, q)
+
+
+def test_fitting_once_is_no_worse_than_refitting_every_round():
+    """The slow reference (a fit after every round, each against the previous round's fitted
+    slots) and the single fit against the original members, on the rounds' own plans."""
+    state, _ = clustered_state(12, N=160, size=4)
+    q = state.extras["reference_queries"]
+    full = outputs(state, q)
+    merger = FittedMerger(queries="prefill")
+    g = torch.Generator().manual_seed(5)
+    per_round, plans = state, []
+    for _ in range(3):  # three rounds merging random neighbour pairs
+        n = per_round.num_slots
+        pair = (torch.rand(n // 2, generator=g) < 0.7).repeat_interleave(2)
+        pair = torch.cat([pair, torch.zeros(n - pair.numel(), dtype=torch.bool)])
+        idx = torch.arange(n)
+        parent = torch.where(pair & (idx % 2 == 1), idx - 1, idx).expand(1, 2, n).clone()
+        plans.append(parent)
+        per_round = merger(per_round, parent)
+    once = merger(state, reference_composition(plans))
+    assert torch.equal(once.positions, per_round.positions) and torch.equal(once.counts, per_round.counts)
+    assert rel_err(once, full, q) <= rel_err(per_round, full, q) * 1.05

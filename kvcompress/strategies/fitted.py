@@ -7,8 +7,12 @@ then every cluster of two or more members whose keys differ gets its attention b
 ``kvcompress.strategies.fitting``. Singletons and clusters of identical keys keep the mean
 merger's numbers bit for bit (proportional attention is exact for them).
 
-A fitted slot with bias beta behaves in attention like exp(beta) copies of itself, which is how a
-later round or a decode-time compression treats it: the fit only ever reads the bias.
+In a pipeline the fit runs once per compression (``FitsComposedPlan``): every round merges with
+the proportional rule (so the clusterer sees what it sees under the mean merger, and the plan and
+all bookkeeping are the mean merger's), the rounds' plans are composed into one plan over the input
+slots, and each final slot is fitted against its ORIGINAL members, not against slots fitted in an
+earlier round. A fitted slot with bias beta behaves in attention like exp(beta) copies of itself,
+which is how a decode-time compression treats it: the fit only ever reads the bias.
 """
 
 from __future__ import annotations
@@ -125,15 +129,34 @@ class FittedMerger:
                      reference_queries=self.reference_queries if REFERENCE_QUERIES in uses else 0,
                      model_pass=RECONSTRUCTION_QUERIES in uses)
 
+    @property
+    def round_merger(self) -> "ProportionalRounds":
+        """In a pipeline, every round merges with the proportional rule; the fit runs once, on
+        the rounds' composed plan, against the original members (``FitsComposedPlan``)."""
+        return ProportionalRounds()
+
     def __call__(self, state: KVState, parent: Tensor) -> KVState:
+        """One plan: the proportional merge, then the fit (what ``fit_plan`` does after a
+        pipeline's rounds)."""
         if is_identity_plan(state, parent):
             return state
-        queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
-        # the proportional prior weighs a slot by its attention bias (a slot of bias beta is
-        # exp(beta) copies for attention), not by its token count: the two differ once fitted
-        merged = apply_merge_plan(state.replace(counts=None), parent)
+        return self.fit_plan(state, parent, self.round_merger(state, parent))
+
+    def fit_plan(self, state: KVState, parent: Tensor, merged: KVState) -> KVState:
+        """Refit the merged slots of ``merged`` to their members in ``state``.
+
+        state:  the slots before merging (keys/values [B, H, N, D], the reference queries in extras)
+        parent: [B, H, N] long, the plan taking ``state`` to ``merged`` (several rounds composed)
+        merged: the proportional merge of ``state`` under ``parent`` (M slots): its bookkeeping
+                (positions, protection, counts, stats) is kept; only fitted slots' key, value and
+                bias change
+        """
+        if is_identity_plan(state, parent):
+            return merged
         cluster = cluster_index(parent)
         B, H, M = merged.log_sizes.shape
+        require(int(cluster.max()) < M if cluster.numel() else True, "merged", f"{M} slots",
+                "the merge of state under parent (one slot per representative)")
         N = state.num_slots
         rows = B * H
         dev = parent.device
@@ -143,8 +166,7 @@ class FittedMerger:
         def per_cluster(x: Tensor) -> Tensor:  # [B, H, N] -> summed over members [B, H, M]
             return torch.zeros(rows * (M + 1), device=dev).index_add_(0, flat, x.reshape(-1)).view(B, H, M + 1)[:, :, :M]
 
-        # bookkeeping: token counts add up, whatever the bias becomes
-        counts = per_cluster(state.token_counts().masked_fill(cluster < 0, 0.0))
+        counts = merged.token_counts()  # the rounds' token counts, whatever the bias becomes
         members = per_cluster((cluster >= 0).float())
         # a cluster of identical keys is exact under proportional attention: keep it bit for bit
         own_key = torch.cat([merged.keys, merged.keys.new_zeros(B, H, 1, state.head_dim)], 2)
@@ -153,6 +175,7 @@ class FittedMerger:
         fit = (members >= 2) & (spread > 0)  # [B, H, M]
         if not bool(fit.any()):
             return merged.replace(counts=counts)
+        queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
         res = fit_clusters(
             state.keys, state.values, state.log_sizes, cluster, queries,
@@ -164,3 +187,20 @@ class FittedMerger:
         values = torch.where(sel, res.values.to(state.values.dtype), merged.values)
         log_sizes = torch.where(fit, res.bias, merged.log_sizes)
         return merged.replace(keys=keys, values=values, log_sizes=log_sizes.contiguous(), counts=counts)
+
+
+@dataclass(frozen=True)
+class ProportionalRounds:
+    """The fitted merger's rounds: the mean merger's plan application (positions, protection,
+    stats), weighing a slot by its attention bias (a slot of bias beta is exp(beta) copies for
+    attention and for the fit's prior) while its token count is kept apart and adds up."""
+
+    def __call__(self, state: KVState, parent: Tensor) -> KVState:
+        if is_identity_plan(state, parent):
+            return state
+        merged = apply_merge_plan(state.replace(counts=None), parent)
+        cluster = cluster_index(parent)
+        B, H, M = merged.log_sizes.shape
+        counts = state.token_counts().masked_fill(cluster < 0, 0.0)
+        total = counts.new_zeros(B, H, M + 1).scatter_add_(-1, torch.where(cluster >= 0, cluster, M), counts)
+        return merged.replace(counts=total[..., :M].contiguous())
