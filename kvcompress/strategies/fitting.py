@@ -40,6 +40,10 @@ NEG_INF = float("-inf")
 # cluster's log-mass that far, and extrapolating values from such queries only adds noise
 MAX_LOG_RATIO = 4.0
 
+# a cluster whose mass for a query is below TINY times the row's top term is unseen by that query:
+# its share of the row is < 1e-30, so whatever the fit says there changes nothing
+TINY = 1e-30
+
 
 @dataclass(frozen=True)
 class FitResult:
@@ -108,37 +112,41 @@ def fit_clusters(
     P = queries.shape[2]
     dev = keys.device
     rows = B * H
-    q = queries.float()
     k32, v32 = keys.float(), values.float()
 
-    # logits of every slot for every query, one row per slot: [B*H*N, P]
-    s = torch.einsum("bhnd,bhpd->bhnp", k32, q).mul_(scale).add_(bias[..., None])
-    log_z = torch.logsumexp(s, dim=2)  # [B, H, P] the full rows' log-mass
-    s_flat = s.reshape(rows * N, P)
+    # logits of every slot for every query, one row per slot: [B, H, N, P]; the bias rides along
+    # as one more key dimension against a query entry of 1 (one pass over the [N, P] logits)
+    k_aug = torch.cat([k32, bias.float()[..., None]], dim=-1)
+    q_aug = torch.cat([queries.float() * scale, queries.new_ones(B, H, P, 1, dtype=torch.float32)], dim=-1)
+    s = torch.matmul(k_aug, q_aug.transpose(-1, -2))
+    # one shift per query row (its top logit): e = exp(s - top) in [0, 1] serves the rows' mass,
+    # their output and every cluster's mass; a cluster below TINY of the top is unseen by that query
+    top = s.amax(dim=2, keepdim=True)  # [B, H, 1, P]
+    top = torch.where(top > NEG_INF, top, 0.0)  # a row of padding only
+    e = s.sub_(top).exp_()  # [B, H, N, P], 0 for padding
+    z = e.sum(2)  # [B, H, P], >= 1 (0: a row of padding only)
+    log_z = torch.where(z > 0, top[:, :, 0] + z.log(), NEG_INF)  # the full rows' log-mass
+    e_flat = e.view(rows * N, P)
 
     # flat cluster row of every slot; dropped slots and padding go to a dummy row per head
     cl = torch.where(cluster >= 0, cluster, M)
     flat = (torch.arange(rows, device=dev)[:, None] * (M + 1) + cl.reshape(rows, N)).reshape(-1)  # [B*H*N]
-    top = s_flat.new_full((rows * (M + 1), P), NEG_INF).index_reduce_(0, flat, s_flat, "amax")
-    shift = top.index_select(0, flat)
-    e = (s_flat - torch.where(shift > NEG_INF, shift, 0.0)).exp_()  # [B*H*N, P] in [0, 1]
-    mass = s_flat.new_zeros(rows * (M + 1), P).index_add_(0, flat, e)  # >= 1 where top is finite
-    log_mass = (top + mass.log()).view(B, H, M + 1, P)[:, :, :M]  # [B, H, M, P] log m, -inf if unseen
-    # each member's share of its cluster's mass, per query: p_ir = e_ir / mass_r
-    member_p = e / mass.index_select(0, flat).clamp(min=1e-30)
-
-    log_share = torch.where(log_z[:, :, None] > NEG_INF, log_mass - log_z[:, :, None], NEG_INF)
-    log_share = log_share.clamp(max=0.0)
-    w, w_sum, n_eff = _log_weights(log_share, power)  # [B, H, M, P]
-    alpha = _shrink(n_eff, ridge)  # [B, H, M]
-    seen = log_mass > NEG_INF
+    mass = e.new_zeros(rows * (M + 1), P).index_add_(0, flat, e_flat).view(B, H, M + 1, P)[:, :, :M]
+    seen = mass > TINY  # [B, H, M, P]
+    log_mass = torch.where(seen, mass.clamp(min=TINY).log() + top, NEG_INF)  # log m, -inf if unseen
+    log_share = torch.where(seen, log_mass - log_z[:, :, None], NEG_INF).clamp(max=0.0)
 
     def member_mean(coef: Tensor, x: Tensor) -> Tensor:
-        """sum_i (sum_r coef[cl(i), r] p_ir) x_i per cluster: coef [B, H, M, P], x [B, H, N, E]."""
-        c = torch.cat([coef, coef.new_zeros(B, H, 1, P)], dim=2).reshape(rows * (M + 1), P)
-        u = (c.index_select(0, flat) * member_p).sum(-1, keepdim=True)  # [B*H*N, 1]
+        """sum_i (sum_r coef[cl(i), r] p_ir) x_i per cluster, p_ir = e_ir / mass_r the member's
+        share of its cluster's mass: coef [B, H, M, P] (0 where unseen), x [B, H, N, E]."""
+        c = torch.where(seen, coef / mass.clamp(min=TINY), 0.0)
+        c = torch.cat([c, c.new_zeros(B, H, 1, P)], dim=2).reshape(rows * (M + 1), P)
+        u = c.index_select(0, flat).mul_(e_flat).sum(-1, keepdim=True)  # [B*H*N, 1]
         out = x.new_zeros(rows * (M + 1), x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
         return out.view(B, H, M + 1, -1)[:, :, :M]
+
+    w, w_sum, n_eff = _log_weights(log_share, power)  # [B, H, M, P]
+    alpha = _shrink(n_eff, ridge)  # [B, H, M]
 
     norm = (w / w_sum[..., None].clamp(min=1e-30))  # [B, H, M, P], rows sum to 1 (or 0)
     slot_keys = prior_keys.float()
@@ -147,7 +155,7 @@ def fit_clusters(
         # attention sees the key in the cache's dtype: fit the bias to that key
         slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
 
-    t0 = torch.einsum("bhmd,bhpd->bhmp", slot_keys, q) * scale  # the merged slot's logit, bias aside
+    t0 = torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2))  # the merged slot's logit, bias aside
     y = torch.where(seen, log_mass - t0, 0.0)
     beta_fit = (norm * y).sum(-1)
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
@@ -161,9 +169,8 @@ def fit_clusters(
     w2, w2_sum, n_eff2 = _log_weights(log_share2, power)
     alpha_v = _shrink(n_eff2, ridge)
     norm2 = w2 / w2_sum[..., None].clamp(min=1e-30)
-    # the full rows' outputs O_r [B, H, P, D]
-    probs = torch.softmax(s, dim=2).nan_to_num_(0.0)  # a row of padding only: no output
-    row_out = torch.einsum("bhnp,bhnd->bhpd", probs, v32)
+    # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
+    row_out = torch.matmul(e.transpose(-1, -2), v32) / z.clamp(min=1.0)[..., None]
     value_fit = member_mean(norm2 * rho, v32) + torch.einsum("bhmp,bhpd->bhmd", norm2 * (1 - rho), row_out)
     slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])
     return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff)
