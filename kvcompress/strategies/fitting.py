@@ -60,17 +60,21 @@ class FitResult:
     n_eff: Tensor
 
 
-def _log_weights(log_share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row query weights from log shares [R, P]: normalised to max 1 in log space.
+def _weights(share: Tensor, seen: Tensor, power: float) -> tuple[Tensor, Tensor]:
+    """Per-slot query weights share ** power, normalised over the queries.
 
-    returns w [R, P] (0 where the share is 0), W = sum w [R], n_eff = W^2 / sum w^2 [R] (0 if W = 0)
+    share: [..., P] in [0, 1], seen: [..., P] bool (weight 0 where False)
+    returns norm [..., P] (sums to 1, or 0 where no query sees the slot), n_eff = (sum w)^2 / sum w^2
+    (the effective number of queries, 0 if none); both invariant to the scale of w
     """
-    lw = power * log_share
-    top = lw.amax(-1, keepdim=True)
-    w = torch.where(top > NEG_INF, (lw - top.clamp(min=-1e30)).exp(), torch.zeros_like(lw))
+    if power == 1.0:
+        w = torch.where(seen, share, 0.0)
+    else:  # relative to the largest share first: a high power would underflow small shares
+        top = torch.where(seen, share, 0.0).amax(-1, keepdim=True).clamp(min=TINY)
+        w = torch.where(seen, (share / top).pow(power), 0.0)
     total = w.sum(-1)
-    n_eff = torch.where(total > 0, total.square() / w.square().sum(-1).clamp(min=1e-30), torch.zeros_like(total))
-    return w, total, n_eff
+    n_eff = torch.where(total > 0, total.square() / w.square().sum(-1).clamp(min=TINY * TINY), 0.0)
+    return w / total[..., None].clamp(min=TINY), n_eff
 
 
 def _shrink(n_eff: Tensor, ridge: float) -> Tensor:
@@ -125,7 +129,6 @@ def fit_clusters(
     top = torch.where(top > NEG_INF, top, 0.0)  # a row of padding only
     e = s.sub_(top).exp_()  # [B, H, N, P], 0 for padding
     z = e.sum(2)  # [B, H, P], >= 1 (0: a row of padding only)
-    log_z = torch.where(z > 0, top[:, :, 0] + z.log(), NEG_INF)  # the full rows' log-mass
     e_flat = e.view(rows * N, P)
 
     # flat cluster row of every slot; dropped slots and padding go to a dummy row per head
@@ -133,8 +136,8 @@ def fit_clusters(
     flat = (torch.arange(rows, device=dev)[:, None] * (M + 1) + cl.reshape(rows, N)).reshape(-1)  # [B*H*N]
     mass = e.new_zeros(rows * (M + 1), P).index_add_(0, flat, e_flat).view(B, H, M + 1, P)[:, :, :M]
     seen = mass > TINY  # [B, H, M, P]
-    log_mass = torch.where(seen, mass.clamp(min=TINY).log() + top, NEG_INF)  # log m, -inf if unseen
-    log_share = torch.where(seen, log_mass - log_z[:, :, None], NEG_INF).clamp(max=0.0)
+    log_mass = mass.clamp(min=TINY).log_().add_(top)  # log m (read only where seen)
+    share = (mass / z.clamp(min=1.0)[:, :, None]).clamp_(max=1.0)  # m / Z, the cluster's share of the row
 
     def member_mean(coef: Tensor, x: Tensor) -> Tensor:
         """sum_i (sum_r coef[cl(i), r] p_ir) x_i per cluster, p_ir = e_ir / mass_r the member's
@@ -145,10 +148,8 @@ def fit_clusters(
         out = x.new_zeros(rows * (M + 1), x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
         return out.view(B, H, M + 1, -1)[:, :, :M]
 
-    w, w_sum, n_eff = _log_weights(log_share, power)  # [B, H, M, P]
+    norm, n_eff = _weights(share, seen, power)  # [B, H, M, P], [B, H, M]
     alpha = _shrink(n_eff, ridge)  # [B, H, M]
-
-    norm = (w / w_sum[..., None].clamp(min=1e-30))  # [B, H, M, P], rows sum to 1 (or 0)
     slot_keys = prior_keys.float()
     if key == "attention":
         fitted = member_mean(norm, k32)
@@ -161,14 +162,11 @@ def fit_clusters(
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
 
     # values: targets rho o_r + (1 - rho) O_r, weighted by the refitted shares a'_r ** power
-    log_rho = torch.where(seen, (y - beta[..., None]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0.0)
-    rho = log_rho.exp()
-    x = log_share - log_rho  # log m'_r / Z_r
-    rest = torch.log1p(-log_share.exp().clamp(max=1.0))  # log (Z_r - m_r) / Z_r
-    log_share2 = torch.where(seen, x - torch.logaddexp(rest, x), NEG_INF)
-    w2, w2_sum, n_eff2 = _log_weights(log_share2, power)
+    rho = torch.where(seen, (y - beta[..., None]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0.0).exp_()
+    # the slot's share of the refitted row: m' = m / rho of Z' = Z - m + m'
+    share2 = share / (rho * (1.0 - share) + share).clamp(min=TINY)
+    norm2, n_eff2 = _weights(share2, seen, power)
     alpha_v = _shrink(n_eff2, ridge)
-    norm2 = w2 / w2_sum[..., None].clamp(min=1e-30)
     # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
     row_out = torch.matmul(e.transpose(-1, -2), v32) / z.clamp(min=1.0)[..., None]
     value_fit = member_mean(norm2 * rho, v32) + torch.einsum("bhmp,bhpd->bhmd", norm2 * (1 - rho), row_out)
