@@ -547,3 +547,22 @@ def test_fitting_once_is_no_worse_than_refitting_every_round():
     once = merger(state, reference_composition(plans))
     assert torch.equal(once.positions, per_round.positions) and torch.equal(once.counts, per_round.counts)
     assert rel_err(once, full, q) <= rel_err(per_round, full, q) * 1.05
+
+
+@pytest.mark.parametrize("power", [1.0, 2.0])
+def test_clusters_seen_only_faintly_are_still_fitted_finitely(power):
+    """A cluster whose share of every row is ~1e-20 (seen, far above the unseen floor): its
+    weights' squares would underflow float32; the fit stays finite and still moves the slot."""
+    state, parent = clustered_state(13, N=32, size=4)
+    bias = state.log_sizes.clone()
+    bias[..., 4:8] = -60.0  # shares ~1e-26 of every row: squares below float32's range
+    state = state.replace(log_sizes=bias)
+    q = state.extras["reference_queries"]
+    share = torch.softmax(torch.einsum("bhnd,bhpd->bhnp", state.keys, q.reshape(1, 2, -1, 16)) / 4
+                          + bias[..., None], 2)[..., 4:8, :].sum(2)
+    assert 1e-32 < float(share.min()) and float(share.max()) < 1e-20
+    out = fitted(power=power)(state, parent)
+    for x in (out.keys, out.values, out.log_sizes):
+        assert bool(torch.isfinite(x).all())
+    mean = apply_merge_plan(state, parent)
+    assert not torch.equal(out.log_sizes[..., 1], mean.log_sizes[..., 1])  # fitted, not left alone

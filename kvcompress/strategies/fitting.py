@@ -72,9 +72,10 @@ def _weights(share: Tensor, seen: Tensor, power: float) -> tuple[Tensor, Tensor]
     else:  # relative to the largest share first: a high power would underflow small shares
         top = torch.where(seen, share, 0.0).amax(-1, keepdim=True).clamp(min=TINY)
         w = torch.where(seen, (share / top).pow(power), 0.0)
-    total = w.sum(-1)
-    n_eff = torch.where(total > 0, total.square() / w.square().sum(-1).clamp(min=TINY * TINY), 0.0)
-    return w / total[..., None].clamp(min=TINY), n_eff
+    total = w.sum(-1, keepdim=True)
+    norm = w.div_(total.clamp(min=TINY))  # in [0, 1]: its squares cannot underflow as w's might
+    n_eff = torch.where(total[..., 0] > 0, 1.0 / norm.square().sum(-1).clamp(min=TINY), 0.0)
+    return norm, n_eff
 
 
 def _shrink(n_eff: Tensor, ridge: float) -> Tensor:
