@@ -177,15 +177,28 @@ class FittedMerger:
             return merged.replace(counts=counts)
         queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
+        # fit only the K clusters that need it (singletons and exact clusters are most slots of
+        # a mildly compressed cache): renumber them 0..K-1 per head; the other slots still count
+        # in the attention rows (cluster -1)
+        rank = fit.long().cumsum(-1) - 1  # [B, H, M]
+        K = int(rank[..., -1].max()) + 1
+        compact = torch.where(fit, rank, -1)
+        sub_cluster = torch.where(cluster >= 0, compact.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
+        # the merged slot behind each compact index (heads with fewer than K: slot 0, never read)
+        src = torch.zeros(B, H, K + 1, dtype=torch.long, device=dev).scatter_(
+            -1, torch.where(fit, rank, K), torch.arange(M, device=dev).expand(B, H, M).contiguous())[..., :K]
+        pick = src[..., None].expand(B, H, K, state.head_dim)
         res = fit_clusters(
-            state.keys, state.values, state.log_sizes, cluster, queries,
-            merged.keys, merged.values, merged.log_sizes,
+            state.keys, state.values, state.log_sizes, sub_cluster, queries,
+            merged.keys.gather(2, pick), merged.values.gather(2, pick), merged.log_sizes.gather(2, src),
             scale=scale, power=self.power, ridge=self.ridge, key=self.key,
         )
+        back = rank.clamp(min=0)  # [B, H, M] the compact index of each fitted slot
         sel = fit[..., None]
-        keys = torch.where(sel, res.keys.to(state.keys.dtype), merged.keys)
-        values = torch.where(sel, res.values.to(state.values.dtype), merged.values)
-        log_sizes = torch.where(fit, res.bias, merged.log_sizes)
+        back_d = back[..., None].expand(B, H, M, state.head_dim)
+        keys = torch.where(sel, res.keys.gather(2, back_d).to(state.keys.dtype), merged.keys)
+        values = torch.where(sel, res.values.gather(2, back_d).to(state.values.dtype), merged.values)
+        log_sizes = torch.where(fit, res.bias.gather(2, back), merged.log_sizes)
         return merged.replace(keys=keys, values=values, log_sizes=log_sizes.contiguous(), counts=counts)
 
 

@@ -137,14 +137,15 @@ def fit_clusters(
     flat = (torch.arange(rows, device=dev)[:, None] * (M + 1) + cl.reshape(rows, N)).reshape(-1)  # [B*H*N]
     mass = e.new_zeros(rows * (M + 1), P).index_add_(0, flat, e_flat).view(B, H, M + 1, P)[:, :, :M]
     seen = mass > TINY  # [B, H, M, P]
-    log_mass = mass.clamp(min=TINY).log_().add_(top)  # log m (read only where seen)
-    share = (mass / z.clamp(min=1.0)[:, :, None]).clamp_(max=1.0)  # m / Z, the cluster's share of the row
+    log_mass = mass.clamp(min=TINY).log_().add_(top)  # log m (used only where seen)
+    share = torch.div(mass, z.clamp(min=1.0)[:, :, None]).clamp_(max=1.0)  # m / Z, the cluster's share of the row
 
     def member_mean(coef: Tensor, x: Tensor) -> Tensor:
         """sum_i (sum_r coef[cl(i), r] p_ir) x_i per cluster, p_ir = e_ir / mass_r the member's
         share of its cluster's mass: coef [B, H, M, P] (0 where unseen), x [B, H, N, E]."""
-        c = torch.where(seen, coef / mass.clamp(min=TINY), 0.0)
-        c = torch.cat([c, c.new_zeros(B, H, 1, P)], dim=2).reshape(rows * (M + 1), P)
+        c = coef.new_zeros(B, H, M + 1, P)  # row M: the dummy cluster
+        torch.div(coef, mass.clamp(min=TINY), out=c[:, :, :M]).mul_(seen)
+        c = c.view(rows * (M + 1), P)
         u = c.index_select(0, flat).mul_(e_flat).sum(-1, keepdim=True)  # [B*H*N, 1]
         out = x.new_zeros(rows * (M + 1), x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
         return out.view(B, H, M + 1, -1)[:, :, :M]
@@ -158,18 +159,21 @@ def fit_clusters(
         slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
 
     t0 = torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2))  # the merged slot's logit, bias aside
-    y = torch.where(seen, log_mass - t0, 0.0)
-    beta_fit = (norm * y).sum(-1)
+    seen_f = seen.float()
+    y = log_mass.sub_(t0).mul_(seen_f)  # log m - q.k: the bias each query asks for (0 where unseen)
+    beta_fit = torch.linalg.vecdot(norm, y)
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
 
     # values: targets rho o_r + (1 - rho) O_r, weighted by the refitted shares a'_r ** power
-    rho = torch.where(seen, (y - beta[..., None]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0.0).exp_()
-    # the slot's share of the refitted row: m' = m / rho of Z' = Z - m + m'
-    share2 = share / (rho * (1.0 - share) + share).clamp(min=TINY)
+    rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO).mul_(seen_f).exp_()  # 1 where unseen
+    # the slot's share of the refitted row: m' = m / rho of Z' = Z - m + m', i.e.
+    # share / (rho (1 - share) + share); the denominator is >= min(rho, 1) > 0
+    one_minus_rho = torch.sub(1.0, rho)
+    share2 = share / torch.addcmul(rho, share, one_minus_rho)
     norm2, n_eff2 = _weights(share2, seen, power)
     alpha_v = _shrink(n_eff2, ridge)
     # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
     row_out = torch.matmul(e.transpose(-1, -2), v32) / z.clamp(min=1.0)[..., None]
-    value_fit = member_mean(norm2 * rho, v32) + torch.einsum("bhmp,bhpd->bhmd", norm2 * (1 - rho), row_out)
+    value_fit = member_mean(norm2 * rho, v32).add_(torch.matmul(one_minus_rho.mul_(norm2), row_out))
     slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])
     return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff)
