@@ -38,14 +38,14 @@ def test_recorder_for_configs_records_the_reference_queries(model, tok, ids):
     prefill = _config("centroidkv").replace(merger=StrategySpec("fitted", {"queries": "prefill", "reference_queries": 16}))
     cfgs = [_config("centroidkv-fitted"), _config("snapkv"), prefill]
     needs = recording_needs(cfgs)
-    assert needs.reference_queries == 16 and needs.query_window == 64  # centroidkv-fitted: the last 64
+    assert needs.reference_queries == 16 and needs.query_window == 32  # centroidkv-fitted: the last 32
     rec = Recorder.for_configs(model, tok, cfgs, backend="sdpa")
     rec.feed(ids)
     snap = rec.snapshot()
     rec.close()
     for st in snap.states:
         assert st.extras["reference_queries"].shape[2] == 16
-        assert st.extras["queries"].shape[2] == 64
+        assert st.extras["queries"].shape[2] == 32
     # each copy sees its own window: snapkv's 32 queries, not the grid's 64
     copy = compressed_copy(model, snap, cfgs[1])
     assert all(layer.queries.shape[2] == 32 for layer in copy.cache.layers)
@@ -89,10 +89,10 @@ def test_a_recorder_without_reference_queries_is_a_value_error_naming_them(model
     rec.feed(ids)
     snap = rec.snapshot()
     rec.close()
-    with pytest.raises(ValueError, match="query_window >= 64"):
+    with pytest.raises(ValueError, match="query_window >= 32"):
         compressed_copy(model, snap, _config("centroidkv-fitted"))
     prefill = _config("centroidkv").replace(merger=StrategySpec("fitted", {"queries": "prefill"}))
-    with pytest.raises(ValueError, match="reference_queries == 64.*Recorder.for_configs"):
+    with pytest.raises(ValueError, match="reference_queries == 32.*Recorder.for_configs"):
         compressed_copy(model, snap, prefill)
 
 
@@ -175,7 +175,7 @@ def test_decode_time_recompression_of_fitted_slots(model, tok, ids):
         st = cache.layer_state(i)
         assert st.num_tokens == T
         assert st.valid.sum(-1).max() <= 0.4 * T + 6 + 1
-        assert st.extras["queries"].shape[2] == 64  # the window the fit uses, decoding queries included
+        assert st.extras["queries"].shape[2] == 32  # the window the fit uses, decoding queries included
         assert bool(torch.isfinite(st.log_sizes[st.valid]).all())
     cache.close()
 

@@ -374,7 +374,7 @@ def test_needs_ask_for_the_prefill_reference_queries():
     from kvcompress.pipeline import Pipeline
     from kvcompress.presets import get_preset
 
-    assert FittedMerger().needs == Needs(query_window=64)  # the default: the layer's last 64 queries
+    assert FittedMerger().needs == Needs(query_window=32)  # the default: the layer's last 32 queries
     assert fitted(reference_queries=32).needs == Needs(reference_queries=32)
     assert fitted(queries="reconstruction").needs == Needs(model_pass=True)
     assert fitted(queries="both", reference_queries=8).needs == Needs(reference_queries=8, model_pass=True)

@@ -2,8 +2,9 @@
 
 Each is the named preset with the ``fitted`` merger: the clusters are the method's own; only the
 merged slots' key, value and attention bias differ. They are fitted to the layer's last queries
-(``queries="window"``: 64, or the preset's own query window of 32 for the ``-safe`` ones, so their
-guards see the same queries as without the fit), which the cache keeps anyway; measured on
+(``queries="window"``: 32, the ``-safe`` presets' own query window, so their guards see the same
+queries as without the fit; 32 rather than 64 keeps the fit near 2% of an 8k prefill at a small
+loss of KL, results/issue14-r), which the cache keeps anyway; measured on
 SmolLM2 they predict the queries that follow far better than queries strided over the prefill
 (docs/mergers.md). ``kvzip-csm-fitted`` fits to the reconstruction pass's queries, which its
 importance guard runs anyway. The SemantiCache variant uses fixed 64-token chunks (delimiter
@@ -16,7 +17,7 @@ from .centroidkv import centroidkv, centroidkv_safe
 from .importance import kvzip_csm
 from .semanticache import semanticache_fixed64, semanticache_safe
 
-WINDOW = 64  # last queries per layer the fit uses (the -safe presets: their query window)
+WINDOW = 32  # last queries per layer the fit uses (the -safe presets: their query window, also 32)
 
 
 def fitted_merger(queries: str = "window", reference_queries: int = WINDOW) -> StrategySpec:

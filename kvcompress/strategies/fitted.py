@@ -105,7 +105,7 @@ class FittedMerger:
     """
 
     queries: str = "window"
-    reference_queries: int = 64
+    reference_queries: int = 32
     key: str = "attention"
     power: float = 1.0
     ridge: float = 1.0

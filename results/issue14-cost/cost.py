@@ -1,11 +1,12 @@
 """Fitting cost against an 8k prefill, SmolLM2-135M, one process, interleaved (issue 14, target <= 2%).
 
-    python results/issue14-cost/cost.py --tokens 8192 --out results/issue14-cost/cost.json
+    python results/issue14-cost/cost.py --tokens 8192 --R 64,32 --repeats 3 --out results/issue14-cost/cost.json
 Times (1) the model's 8k prefill (stock SDPA, no cache compression), (2) per preset the pipeline's
 compression of all 30 layers with the mean merger and with the fitted merger, on the real cache of
 that prefill (the fitted merger as in the fitted presets: the layer's last R queries, which the
 cache keeps anyway; --queries prefill: R strided prefill queries). The fitting cost is the
 difference (2, fitted) - (2, mean). Repeats interleaved; medians reported; load average recorded.
+--R takes several counts ("64,32"): the largest is recorded, each fit reads its own last R.
 """
 import argparse, json, os, platform, statistics, sys, time
 sys.path.insert(0, ".")
@@ -21,7 +22,7 @@ from kvcompress.config import StrategySpec
 
 p = argparse.ArgumentParser()
 p.add_argument("--tokens", type=int, default=8192)
-p.add_argument("--R", type=int, default=64)
+p.add_argument("--R", default="64", help="window queries per layer, several comma-separated")
 p.add_argument("--repeats", type=int, default=2)
 p.add_argument("--presets", default="centroidkv,semanticache-fixed64")
 p.add_argument("--budgets", default="0.5,0.25")
@@ -29,6 +30,8 @@ p.add_argument("--threads", type=int, default=1)
 p.add_argument("--queries", default="window", choices=["window", "prefill"])
 p.add_argument("--out", required=True)
 a = p.parse_args()
+Rs = [int(r) for r in str(a.R).split(",")]
+R_MAX = max(Rs)
 torch.set_num_threads(a.threads)
 model, tok = load_model()
 text = Haystack.load("/work/shared/data/paul_graham_essays").window(tok, a.tokens + 64)
@@ -36,8 +39,8 @@ ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][: a.tokens]
 vocab = [tok.decode([i]) for i in range(len(tok))]
 rec = []
 def recording(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
-    idx = torch.linspace(0, query.shape[2] - 1, a.R).round().long()
-    rec.append((query[0][:, idx].clone(), query[0][:, -a.R:].clone(), key[0].clone(), value[0].clone()))
+    idx = torch.linspace(0, query.shape[2] - 1, R_MAX).round().long()
+    rec.append((query[0][:, idx].clone(), query[0][:, -R_MAX:].clone(), key[0].clone(), value[0].clone()))
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
 AttentionInterface.register("record14", recording)
 
@@ -58,10 +61,11 @@ for rep in range(a.repeats):
     times["prefill"].append(prefill(False))
     for preset in a.presets.split(","):
         for budget in map(float, a.budgets.split(",")):
-            for merger in ("mean", "fitted"):
+            for merger in ("mean", *(f"fitted-R{r}" for r in Rs)):
                 cfg = get_preset(preset, keep_ratio=budget)
-                if merger == "fitted":
-                    cfg = cfg.replace(merger=StrategySpec("fitted", {"queries": a.queries, "reference_queries": a.R}))
+                if merger != "mean":
+                    r = int(merger.split("-R")[1])
+                    cfg = cfg.replace(merger=StrategySpec("fitted", {"queries": a.queries, "reference_queries": r}))
                 pipe = Pipeline(cfg)
                 t = time.perf_counter()
                 for l, st in enumerate(states):
@@ -72,12 +76,12 @@ for rep in range(a.repeats):
 med = {k: statistics.median(v) for k, v in times.items()}
 summary = {}
 for key in med:
-    if key.endswith(":fitted"):
-        base = key[: -len(":fitted")]
+    if ":fitted" in key:
+        base, how = key.split(":")
         fit_s = med[key] - med[base + ":mean"]
-        summary[base] = {"mean_s": med[base + ":mean"], "fitted_s": med[key], "fitting_s": fit_s,
-                         "fitting_share_of_prefill": fit_s / med["prefill"]}
-out = {"tokens": a.tokens, "R": a.R, "queries": a.queries, "threads": a.threads, "repeats": a.repeats, "times": times,
+        summary[f"{base}:{how}"] = {"mean_s": med[base + ":mean"], "fitted_s": med[key], "fitting_s": fit_s,
+                                    "fitting_share_of_prefill": fit_s / med["prefill"]}
+out = {"tokens": a.tokens, "R": Rs, "queries": a.queries, "threads": a.threads, "repeats": a.repeats, "times": times,
        "prefill_s_median": med["prefill"], "summary": summary, "loadavg": load,
        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
        "command": " ".join(sys.argv)}
