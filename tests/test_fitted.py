@@ -314,7 +314,7 @@ def test_window_queries_are_the_last_r_of_the_query_window():
 
 
 @pytest.mark.parametrize("params, name", [
-    ({"queries": "question"}, "queries"), ({"queries": "window+window"}, "queries"),
+    ({"rounds": "twice"}, "rounds"), ({"queries": "question"}, "queries"), ({"queries": "window+window"}, "queries"),
     ({"queries": "window+"}, "queries"), ({"key": "max"}, "key"), ({"power": -1.0}, "power"),
     ({"ridge": -0.5}, "ridge"), ({"reference_queries": 0}, "reference_queries"), ({"scale": 0.0}, "scale"),
 ])
@@ -566,3 +566,29 @@ def test_clusters_seen_only_faintly_are_still_fitted_finitely(power):
         assert bool(torch.isfinite(x).all())
     mean = apply_merge_plan(state, parent)
     assert not torch.equal(out.log_sizes[..., 1], mean.log_sizes[..., 1])  # fitted, not left alone
+
+
+def test_rounds_each_fits_after_every_round_and_leaves_the_last_state_alone():
+    """rounds="each" (the slow reference): the pipeline merges with the fitted merger itself every
+    round, so the result is the rounds' fitted merges applied one after the other."""
+    from kvcompress.pipeline import Pipeline
+    from kvcompress.presets import get_preset
+
+    each = FittedMerger(queries="prefill", rounds="each")
+    assert each.round_merger is each
+    state, _ = clustered_state(14, N=160, size=4)
+    cfg = get_preset("centroidkv", keep_ratio=0.25, sinks=2, recent=8).replace(
+        merger={"name": "fitted", "params": {"queries": "prefill", "rounds": "each"}})
+    pipe = Pipeline(cfg)
+    out, report = pipe.compress(state)
+    assert report.rounds >= 2
+    # replay: the same clusterer on the fitted rounds' states
+    current = state
+    for r in range(report.rounds):
+        chunks = pipe.chunking(current, None, report.target)
+        plan = pipe.clusterer(current, chunks.chunk_ids, report.target, r).parent
+        plan = torch.where(current.valid, plan, -1)
+        current = each(current, plan)
+    assert torch.equal(current.positions, out.positions) and torch.equal(current.counts, out.counts)
+    assert torch.allclose(current.keys, out.keys) and torch.allclose(current.values, out.values)
+    assert torch.equal(each.fit_plan(state, torch.zeros(1, 2, 160, dtype=torch.long), out).keys, out.keys)

@@ -56,6 +56,7 @@ _HOW = {
                             "merger's do with queries='reconstruction' or 'both'",
 }
 KEY_MODES = ("mean", "attention")
+ROUND_MODES = ("once", "each")
 
 
 def cluster_index(parent: Tensor) -> Tensor:
@@ -102,6 +103,10 @@ class FittedMerger:
     power:             a query's weight is the cluster's share of its attention row ** power
     ridge:             pseudo-queries of the proportional answer the fit shrinks toward
     scale:             logit scale; None = 1/sqrt(head_dim)
+    rounds:            in a pipeline, "once" (fit the rounds' composed plan once, after the last
+                       round, against the original members) or "each" (fit after every round,
+                       later rounds clustering the fitted slots: the slow reference, and what
+                       the merger did before fitting once)
     """
 
     queries: str = "window"
@@ -110,11 +115,13 @@ class FittedMerger:
     power: float = 1.0
     ridge: float = 1.0
     scale: float | None = None
+    rounds: str = "once"
 
     def __post_init__(self):
         query_sources(self.queries)
         check_int("reference_queries", self.reference_queries, 1)
         check_choice("key", self.key, KEY_MODES)
+        check_choice("rounds", self.rounds, ROUND_MODES)
         check_range("power", self.power, 0.0, 8.0)
         check_range("ridge", self.ridge, 0.0, 1e6)
         if self.scale is not None:
@@ -130,19 +137,25 @@ class FittedMerger:
                      model_pass=RECONSTRUCTION_QUERIES in uses)
 
     @property
-    def round_merger(self) -> "ProportionalRounds":
-        """In a pipeline, every round merges with the proportional rule; the fit runs once, on
-        the rounds' composed plan, against the original members (``FitsComposedPlan``)."""
-        return ProportionalRounds()
+    def round_merger(self):
+        """In a pipeline, every round merges with the proportional rule and the fit runs once, on
+        the rounds' composed plan, against the original members (``FitsComposedPlan``); with
+        rounds="each", every round fits (this merger itself)."""
+        return ProportionalRounds() if self.rounds == "once" else self
 
     def __call__(self, state: KVState, parent: Tensor) -> KVState:
         """One plan: the proportional merge, then the fit (what ``fit_plan`` does after a
         pipeline's rounds)."""
         if is_identity_plan(state, parent):
             return state
-        return self.fit_plan(state, parent, self.round_merger(state, parent))
+        return self.refit(state, parent, ProportionalRounds()(state, parent))
 
     def fit_plan(self, state: KVState, parent: Tensor, merged: KVState) -> KVState:
+        """After a pipeline's last round: ``refit`` (rounds="once"); with rounds="each" the
+        rounds fitted already and ``merged`` is returned as it is."""
+        return self.refit(state, parent, merged) if self.rounds == "once" else merged
+
+    def refit(self, state: KVState, parent: Tensor, merged: KVState) -> KVState:
         """Refit the merged slots of ``merged`` to their members in ``state``.
 
         state:  the slots before merging (keys/values [B, H, N, D], the reference queries in extras)
