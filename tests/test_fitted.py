@@ -592,3 +592,24 @@ def test_rounds_each_fits_after_every_round_and_leaves_the_last_state_alone():
     assert torch.equal(current.positions, out.positions) and torch.equal(current.counts, out.counts)
     assert torch.allclose(current.keys, out.keys) and torch.allclose(current.values, out.values)
     assert torch.equal(each.fit_plan(state, torch.zeros(1, 2, 160, dtype=torch.long), out).keys, out.keys)
+
+
+def test_each_plus_once_refits_the_fitted_rounds_against_the_original_members():
+    from kvcompress.pipeline import Pipeline
+    from kvcompress.presets import get_preset
+
+    state, _ = clustered_state(15, N=160, size=4)
+    base = get_preset("centroidkv", keep_ratio=0.25, sinks=2, recent=8)
+
+    def run(rounds):
+        cfg = base.replace(merger={"name": "fitted", "params": {"queries": "prefill", "rounds": rounds}})
+        return Pipeline(cfg).compress(state)[0]
+
+    each, both = run("each"), run("each+once")
+    assert FittedMerger(rounds="each+once").round_merger == FittedMerger(rounds="each")
+    # the same rounds (the same plan and bookkeeping), the slots refitted against the members
+    assert torch.equal(each.positions, both.positions) and torch.equal(each.counts, both.counts)
+    assert not torch.equal(each.log_sizes, both.log_sizes)
+    q = state.extras["reference_queries"]
+    full = outputs(state, q)
+    assert rel_err(both, full, q) <= rel_err(each, full, q) * 1.05

@@ -18,7 +18,7 @@ which is how a decode-time compression treats it: the fit only ever reads the bi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -56,7 +56,7 @@ _HOW = {
                             "merger's do with queries='reconstruction' or 'both'",
 }
 KEY_MODES = ("mean", "attention")
-ROUND_MODES = ("once", "each")
+ROUND_MODES = ("once", "each", "each+once")
 
 
 def cluster_index(parent: Tensor) -> Tensor:
@@ -104,9 +104,11 @@ class FittedMerger:
     ridge:             pseudo-queries of the proportional answer the fit shrinks toward
     scale:             logit scale; None = 1/sqrt(head_dim)
     rounds:            in a pipeline, "once" (fit the rounds' composed plan once, after the last
-                       round, against the original members) or "each" (fit after every round,
+                       round, against the original members), "each" (fit after every round,
                        later rounds clustering the fitted slots: the slow reference, and what
-                       the merger did before fitting once)
+                       the merger did before fitting once) or "each+once" (both: every round
+                       fits, then the final slots are refitted against the original members,
+                       shrinking toward the rounds' fitted slots)
     """
 
     queries: str = "window"
@@ -141,7 +143,9 @@ class FittedMerger:
         """In a pipeline, every round merges with the proportional rule and the fit runs once, on
         the rounds' composed plan, against the original members (``FitsComposedPlan``); with
         rounds="each", every round fits (this merger itself)."""
-        return ProportionalRounds() if self.rounds == "once" else self
+        if self.rounds == "once":
+            return ProportionalRounds()
+        return self if self.rounds == "each" else replace(self, rounds="each")
 
     def __call__(self, state: KVState, parent: Tensor) -> KVState:
         """One plan: the proportional merge, then the fit (what ``fit_plan`` does after a
@@ -153,7 +157,7 @@ class FittedMerger:
     def fit_plan(self, state: KVState, parent: Tensor, merged: KVState) -> KVState:
         """After a pipeline's last round: ``refit`` (rounds="once"); with rounds="each" the
         rounds fitted already and ``merged`` is returned as it is."""
-        return self.refit(state, parent, merged) if self.rounds == "once" else merged
+        return merged if self.rounds == "each" else self.refit(state, parent, merged)
 
     def refit(self, state: KVState, parent: Tensor, merged: KVState) -> KVState:
         """Refit the merged slots of ``merged`` to their members in ``state``.
