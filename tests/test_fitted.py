@@ -613,3 +613,13 @@ def test_each_plus_once_refits_the_fitted_rounds_against_the_original_members():
     q = state.extras["reference_queries"]
     full = outputs(state, q)
     assert rel_err(both, full, q) <= rel_err(each, full, q) * 1.05
+
+
+def test_presets_fit_once_except_where_clusters_are_large():
+    from kvcompress.presets import get_preset
+
+    rounds = {n: dict(get_preset(n).merger.params)["rounds"] for n in
+              ("centroidkv-fitted", "semanticache-fitted", "centroidkv-safe-fitted", "kvzip-csm-fitted")}
+    assert rounds == {"centroidkv-fitted": "once", "semanticache-fitted": "once",
+                      "centroidkv-safe-fitted": "each", "kvzip-csm-fitted": "each"}
+    assert dict(get_preset("centroidkv-fitted").merger.params)["reference_queries"] == 32

@@ -13,3 +13,7 @@ M=(--method 'centroidkv-fitted:merger.rounds=each' --method 'centroidkv-safe-fit
 COMMON=(--budgets 0.25 --threads 1 --samples 1 --no-progress --no-plots --backend sdpa)
 $PY fidelity --haystack $PG --presets full "${M[@]}" "${COMMON[@]}" --out $OUT/fidelity-pg
 $PY fidelity --presets full "${M[@]}" "${COMMON[@]}" --out $OUT/fidelity-pydoc
+# then: every round fitted AND the final slots refitted against the original members
+M2=(--method 'kvzip-csm-fitted:merger.rounds=each+once' --method 'centroidkv-safe-fitted:merger.rounds=each+once')
+$PY fidelity --haystack $PG --presets full "${M2[@]}" "${COMMON[@]}" --out $OUT/fidelity-pg
+$PY fidelity --presets full "${M2[@]}" "${COMMON[@]}" --out $OUT/fidelity-pydoc
