@@ -44,8 +44,8 @@ def _stock_prompts(reference):
 
 
 def test_stock_engine(make_engine, reference):
+    llm = make_engine()  # while the reference process builds the prompts
     prompts = _stock_prompts(reference)
-    llm = make_engine()
     STOCK["tokens"] = _generate(llm, prompts, lambda p: 12)
     assert all(len(t) == 12 for t in STOCK["tokens"])
 

@@ -130,14 +130,17 @@ class KVCompressMetadata(FlexAttentionMetadata):
         if not self.kvc_pad_cache:
             return mask
         # torch's CPU flex kernel wants the index table to span every block of the cache and
-        # the "full block" tables to exist (empty here: every block goes through mask_mod)
+        # the "full block" tables to exist (empty here: every block goes through mask_mod).
+        # The table is made exactly that wide: vLLM's width follows the batch's longest sequence,
+        # and every new width would compile the flex kernel again. Its rows are left-packed
+        # unique block ids (at most `total` of them, counted by kv_num), so cutting is safe.
         kv_num, kv_idx = mask.kv_num_blocks, mask.kv_indices
         total = self.num_blocks
         if kv_idx.shape[-1] < total:
             pad = torch.zeros(*kv_idx.shape[:-1], total - kv_idx.shape[-1], dtype=kv_idx.dtype, device=kv_idx.device)
             kv_idx = torch.cat([kv_idx.clamp(min=0), pad], dim=-1)
         else:
-            kv_idx = kv_idx.clamp(min=0)
+            kv_idx = kv_idx[..., :total].clamp(min=0)
         kwargs = dict(
             seq_lengths=(self.num_actual_tokens, self.total_cache_tokens),
             full_kv_num_blocks=torch.zeros_like(kv_num), full_kv_indices=torch.zeros_like(kv_idx),
