@@ -172,7 +172,7 @@ def test_guard_needs_reconstruction_and_bad_params():
     with pytest.raises(ValueError, match="share"):
         ImportanceGuard(share=1.5)
     with pytest.raises(ValueError, match="reduce"):
-        ImportanceGuard(reduce="median")
+        ImportanceGuard(reduce="middle")
     with pytest.raises(ValueError, match="head_budget"):
         get_preset("kvzip", **{"clusterer.head_budget": "weird"})
         Pipeline(get_preset("kvzip", **{"clusterer.head_budget": "weird"}))
@@ -180,7 +180,7 @@ def test_guard_needs_reconstruction_and_bad_params():
 
 def test_model_pass_is_declared_through_needs():
     for name in ("kvzip", "kvzip-adakv", "kvzip-sentences", "kvzip-gsc", "kvzip-csm", "kvzip-csm-tokens",
-                 "kvzip-d2o", "kvzip-d2o-tokens"):
+                 "kvzip-d2o", "kvzip-d2o-tokens", "kvzip-sentences-median", "kvzip-d2o-median"):
         needs = Pipeline(get_preset(name)).needs
         assert needs.model_pass and needs.all_layers, name
     for name in ("snapkv", "semanticache", "centroidkv"):
@@ -229,3 +229,31 @@ def test_guard_adaptive_head_budget_splits_exact_tokens_over_heads():
     assert report.budget_met and bool((out.valid.sum(-1) <= 128).all())
     with pytest.raises(ValueError, match="head_budget"):
         ImportanceGuard(head_budget="sum")
+
+
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 8), st.integers(0, 10_000))
+@CORE_SETTINGS
+def test_sentence_median_equals_a_loop_over_sentences(B, T, num, seed):
+    """The vectorized median per sentence equals torch.median (the lower median) of each
+    sentence's tokens; empty sentences score 0."""
+    from kvcompress.strategies.importance import sentence_median
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 5, (B, T), generator=g).float()  # ties on purpose
+    sid = torch.randint(0, num, (B, T), generator=g).sort(-1).values
+    got = sentence_median(x, sid, num)
+    for b in range(B):
+        for s in range(num):
+            v = x[b][sid[b] == s]
+            assert float(got[b, s]) == (float(v.median()) if v.numel() else 0.0)
+
+
+def test_median_reduce_ranks_a_sentence_by_its_middle_token():
+    """One sink-like token lifts a short sentence's mean above a fact's, not its median."""
+    from kvcompress.strategies.importance import sentence_median
+
+    x = torch.tensor([[9.0, 0.1, 0.1, 1.0, 1.0, 1.0, 1.0]])
+    sid = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    med = sentence_median(x, sid, 2)
+    assert float(med[0, 0]) < float(med[0, 1])
+    assert x[0, :3].mean() > x[0, 3:].mean()

@@ -132,3 +132,39 @@ def test_eval_agreement_runs(model, tok, tmp_path, monkeypatch):
     assert {r["method"] for r in rows} >= {"snapkv:recent=8", "kvzip:recent=8"}
     for r in rows:
         assert 0.0 <= r["lcs"] <= 1.0 and r["budget_met"]
+
+
+def test_eval_pass_uses_the_live_caches_repeat_prompt_on_plain_text(model, tok):
+    """The fidelity protocol prefills plain text (no chat template); its reconstruction pass must
+    still score with the repeat prompt a live cache uses (``prefill_hook(tokenizer)``: the chat
+    template's), so the two give the same scores; the plain prompt gives other scores."""
+    from kvcompress.eval.caches import Recorder
+    from kvcompress.eval.methods import Method
+    from kvcompress.eval.reconstruction import attach_reconstruction
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+    from kvcompress.hf.reconstruct import STATS_KEY, prefill_hook
+
+    assert tok.chat_template
+    ids = _ids(tok, 70)
+    cfg = Method.parse("kvzip").config(0.25)
+    rec = Recorder.for_configs(model, tok, [cfg], backend="sdpa")
+    try:
+        rec.feed(ids)
+        snap = rec.snapshot()
+    finally:
+        rec.close()
+    assert attach_reconstruction(model, tok, snap) > 0
+    evaluated = [st.stats[STATS_KEY] for st in snap.states]
+
+    live = CompressedCache.for_model(model, tok, None, backend="sdpa")
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): live})
+    prefill_hook(tok)(live, model)  # what for_model registers for a pipeline that needs the pass
+    hooked = [st.stats[STATS_KEY] for st in live.states()]
+    states = live.states()
+    live.close()
+    plain = reconstruction_scores(model, states, ids, repeat_ids=repeat_prompt_ids(tok, chat=False)).scores
+    for e, h, p in zip(evaluated, hooked, plain):
+        torch.testing.assert_close(e, h, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(e, p, rtol=1e-3, atol=1e-5)

@@ -96,7 +96,7 @@ def run_agreement(model, tokenizer, windows, grid: Grid, store: CellStore, *, ne
             finally:
                 ref_copy.cache.close()
             for method, budget in cells:
-                copy = copy_for(model, tokenizer, snap, configs[(method.label, budget)], chat=prompt.chat)
+                copy = copy_for(model, tokenizer, snap, configs[(method.label, budget)])
                 try:
                     tokens, decode_s = greedy(model, copy.cache, prompt.tail, new_tokens, stop)
                 finally:

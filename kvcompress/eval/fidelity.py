@@ -93,7 +93,7 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
                 rec.close()
             targets = ids[0, prefix + 1:]
             for method, budget in cells:
-                copy = copy_for(model, tokenizer, snap, configs[(method.label, budget)], chat=False)
+                copy = copy_for(model, tokenizer, snap, configs[(method.label, budget)])
                 copy.cache.enabled = False  # only the prefix is compressed
                 start = time.perf_counter()
                 try:

@@ -20,15 +20,19 @@ from .caches import Copy, Snapshot, compressed_copy
 QUERY_SAMPLES = 64  # reconstruction queries kept per layer (extras["reconstruction_queries"])
 
 
-def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chat: bool | None = None,
-                          chunk: int = DEFAULT_CHUNK, subsample: float = 1.0) -> float:
+def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = DEFAULT_CHUNK,
+                          subsample: float = 1.0) -> float:
     """Run the pass over ``snapshot`` (once: a second call returns 0.0) and attach the scores to its
-    states (stats["reconstruction"] [B, H, T], extras["reconstruction_queries"]). Returns seconds."""
+    states (stats["reconstruction"] [B, H, T], extras["reconstruction_queries"]). Returns seconds.
+
+    The repeat prompt is the one a live cache uses (``CompressedCache.for_model`` registers
+    ``prefill_hook(tokenizer)``): the tokenizer's chat template when it has one, whatever template
+    the evaluated prompt itself used, so that a figure measured here is the figure of real use."""
     if STATS_KEY in snapshot.states[0].stats:
         return 0.0
     require(model is not None, "model", None, "the model (the reconstruction pass runs it over the context)")
     require(tokenizer is not None, "tokenizer", None, "the tokenizer (to build the repeat prompt)")
-    repeat = repeat_prompt_ids(tokenizer, chat)
+    repeat = repeat_prompt_ids(tokenizer)
     rec = reconstruction_scores(model, snapshot.states, snapshot.token_ids, repeat_ids=repeat, chunk=chunk,
                                 subsample=subsample, query_samples=QUERY_SAMPLES)
     for i, st in enumerate(snapshot.states):
@@ -49,8 +53,7 @@ def _without_pass(snapshot: Snapshot) -> Snapshot:
                     backend=snapshot.backend)
 
 
-def copy_for(model, tokenizer, snapshot: Snapshot, config: PipelineConfig, *, chat: bool | None = None,
-             protect=(), marks=None) -> Copy:
+def copy_for(model, tokenizer, snapshot: Snapshot, config: PipelineConfig, *, protect=(), marks=None) -> Copy:
     """``compressed_copy``, running the reconstruction pass first (once per snapshot) when
     ``config``'s pipeline needs it. The copy carries ``reconstruct_s`` (the pass's seconds the
     first time, 0 after, or when no pass ran)."""
@@ -58,7 +61,7 @@ def copy_for(model, tokenizer, snapshot: Snapshot, config: PipelineConfig, *, ch
         copy = compressed_copy(model, _without_pass(snapshot), config, protect=protect, marks=marks)
         copy.reconstruct_s = 0.0
         return copy
-    seconds = attach_reconstruction(model, tokenizer, snapshot, chat=chat)
+    seconds = attach_reconstruction(model, tokenizer, snapshot)
     copy = compressed_copy(model, snapshot, config, protect=protect, marks=marks)
     copy.reconstruct_s = seconds
     return copy

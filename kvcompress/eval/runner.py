@@ -156,7 +156,7 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
     for method, budget, protocol in cells:
         snap = snaps[protocol]
         cfg = configs[(method.label, budget)]
-        copy = copy_for(model, tokenizer, snap, cfg, chat=prompt.chat, protect=[spans[protect]] if protect else (),
+        copy = copy_for(model, tokenizer, snap, cfg, protect=[spans[protect]] if protect else (),
                         marks=spans)
         first = prompt.tail if protocol == "agnostic" else prompt.aware_last()
         try:

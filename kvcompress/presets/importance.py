@@ -17,7 +17,11 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   left out merges into its most similar kept token when similar enough (D2O's test, sizes and
   proportional attention), else it is dropped: merging only the unimportant, similar slots;
 - ``kvzip-d2o-tokens`` / ``kvzip-csm-tokens``: importance kept per (layer, KV head) as well: the
-  best tokens by reconstruction score (KVzip's own choice) take ``TOKEN_SHARE`` of the budget.
+  best tokens by reconstruction score (KVzip's own choice) take ``TOKEN_SHARE`` of the budget;
+- ``kvzip-sentences-median`` / ``kvzip-d2o-median``: sentences ranked by their median token's
+  importance instead of the mean (dev text, pydoc_data.topics: a short line whose delimiter draws
+  sink-like attention no longer outranks a fact's sentence); the D2O one keeps sentences
+  (``MEDIAN_SENTENCE_SHARE``) and per-head tokens (``MEDIAN_TOKEN_SHARE``) exact and merges the rest.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -31,6 +35,8 @@ IMPORTANT_SHARE = 0.5  # share of the budget the importance guard's sentences ma
 GUIDED_SHARE = 0.2  # kvzip-d2o: sentences by importance; SnapKV's window needs the rest (dev fidelity)
 TOKEN_SHARE = 0.5  # the -tokens presets: per-head best tokens by reconstruction score (dev fidelity, pydoc)
 TOKENS_SENTENCE_SHARE = 0.2
+MEDIAN_SENTENCE_SHARE = 0.3  # kvzip-d2o-median: sentences by their median token, then per-head tokens
+MEDIAN_TOKEN_SHARE = 0.3
 SCORER = {"name": "reconstruction"}
 
 
@@ -64,6 +70,12 @@ def kvzip_sentences() -> PipelineConfig:
     """Whole sentences by reconstruction importance (all layers and heads), up to the whole budget;
     the rest by per-head reconstruction eviction."""
     return _kvzip("kvzip-sentences").replace(guards=(importance_guard(1.0),))
+
+
+@register_preset("kvzip-sentences-median")
+def kvzip_sentences_median() -> PipelineConfig:
+    """kvzip-sentences with each sentence ranked by its median token's importance."""
+    return _kvzip("kvzip-sentences-median").replace(guards=(importance_guard(1.0, reduce="median"),))
 
 
 @register_preset("kvzip-gsc")
@@ -107,6 +119,14 @@ def kvzip_d2o_tokens() -> PipelineConfig:
     """As kvzip-d2o, the importance kept per (layer, KV head): the best ``TOKEN_SHARE`` of the
     budget by reconstruction score exact (KVzip's choice), no whole sentences."""
     return _d2o("kvzip-d2o-tokens", importance_guard(0.0, token_share=TOKEN_SHARE))
+
+
+@register_preset("kvzip-d2o-median")
+def kvzip_d2o_median() -> PipelineConfig:
+    """Sentences by their median token's importance and per-head best tokens exact, SnapKV's
+    choice for the other slots, the tokens left out merged into their most similar kept token."""
+    return _d2o("kvzip-d2o-median", importance_guard(MEDIAN_SENTENCE_SHARE, reduce="median",
+                                                     token_share=MEDIAN_TOKEN_SHARE))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:

@@ -31,7 +31,7 @@ from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_s
 from .guards import decided_for
 
 STAT = "reconstruction"
-REDUCES = ("mean", "sum", "max")
+REDUCES = ("mean", "sum", "max", "median")
 HEAD_BUDGETS = ("uniform", "adaptive")
 
 
@@ -176,6 +176,8 @@ class ImportanceGuard:
         lengths = sentence_sum(free, sid, num)
         if self.reduce == "max":
             score = importance.new_zeros(B, num).scatter_reduce_(-1, sid, importance, "amax", include_self=True)
+        elif self.reduce == "median":
+            score = sentence_median(importance, sid, num)
         else:
             score = sentence_sum(importance, sid, num)
             if self.reduce == "mean":
@@ -223,6 +225,22 @@ class ImportanceGuard:
             rank = rank_desc(_window_scorer()(state), free)
             mask |= free & (rank < self._window.to(rank.device)[:, None, None])
         return mask
+
+
+def sentence_median(x: Tensor, sid: Tensor, num: int) -> Tensor:
+    """[B, S]: the (lower) median of ``x`` [B, T] over the tokens of each sentence (``sid`` [B, T]
+    in [0, S)); 0 for a sentence without tokens. Two stable sorts group each sentence's tokens in
+    ascending order; the median is read at its sentence's offset, no loop over sentences."""
+    B, T = x.shape
+    if T == 0:
+        return x.new_zeros(B, num)
+    by_value = x.argsort(dim=-1, stable=True)
+    by_sentence = sid.gather(-1, by_value).argsort(dim=-1, stable=True)
+    ordered = x.gather(-1, by_value.gather(-1, by_sentence))  # [B, T] grouped by sentence, ascending
+    counts = sentence_sum(torch.ones_like(x), sid, num).long()  # [B, S]
+    starts = counts.cumsum(-1) - counts
+    mid = (starts + (counts - 1).clamp(min=0) // 2).clamp(max=T - 1)
+    return torch.where(counts > 0, ordered.gather(-1, mid), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def token_importance(states: Sequence[KVState], num_tokens: int) -> Tensor:
