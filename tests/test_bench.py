@@ -363,6 +363,11 @@ def test_cost_helpers_on_tiny_states():
     fed = cost.with_inputs(states, configs["h2o"])  # window 64 > 8: the queries are repeated
     assert fed[0].extras["queries"].shape[2] == 64 and fed[0].stats["attn_acc"].shape == (1, 2, 256)
     assert "reconstruction" not in fed[0].stats  # h2o reads no reconstruction scores
+    # a longer recorded window is cut to the pipeline's own (the last queries), as a cache records it
+    long_q = [st.replace(extras={"queries": torch.randn(1, 4, 80, 16)}) for st in states]
+    safe = cost.with_inputs(long_q, configs["semanticache-safe"])  # query window 32
+    assert torch.equal(safe[0].extras["queries"], long_q[0].extras["queries"][:, :, -32:])
+    assert "queries" not in cost.with_inputs(long_q, configs["centroidkv"])[0].extras  # needs none
     assert "attn_acc" not in states[0].stats  # the caller's states are untouched
     rec_fed = cost.with_inputs(states, configs["kvzip-gsc"])
     assert rec_fed[0].stats["reconstruction"].shape == (1, 2, 256) and bool((rec_fed[0].stats["reconstruction"] >= 0).all())

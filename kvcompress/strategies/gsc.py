@@ -168,9 +168,8 @@ class BucketSimilarity:
             p1 = min(p0 + step, P)
             vals = self._paired[p0:p1]  # [b, S, L]
             b = p1 - p0
-            # slot of each cosine: how many thresholds lie strictly below it
-            slot = torch.searchsorted(sorted_tau[None].expand(b, S, C).contiguous(), vals)  # [b, S, L]
-            index = slot.mul_(W).add_(self._col[p0:p1])
+            slot = _count_below(vals, sorted_tau)  # [b, S, L]
+            index = slot.long().mul_(W).add_(self._col[p0:p1])
             words = torch.zeros(b, S, 2 * (C + 1) * W, dtype=dtype, device=device)
             words.scatter_add_(2, index, self._bit[p0:p1].expand(b, S, L))  # disjoint bits: the sum is the union
             words = words.view(b, S, 2, C + 1, W).flip(3).cumsum(3, dtype=dtype).flip(3)  # members above slot k
@@ -181,6 +180,39 @@ class BucketSimilarity:
             inverse = perm.argsort(1)  # [S, C]: sorted position of each original threshold
             out = out.gather(2, inverse[None, :, :, None].expand(L, S, C, W))
         return out
+
+
+_COMPARE_LIMIT = 64  # thresholds per segment up to which comparisons beat a binary search
+
+
+def _count_below(vals: Tensor, sorted_tau: Tensor) -> Tensor:
+    """[b, S, L] integer: how many of segment s's thresholds lie strictly below each value (the
+    slot ``searchsorted`` finds). vals: [b, S, L]; sorted_tau: [S, C] ascending.
+
+    One comparison per threshold is faster on CPU than a binary search per value. After a few
+    search passes the thresholds bracket a narrow interval and most cosines lie below or above
+    all of them: then only those in between are searched."""
+    b, S, L = vals.shape
+    C = sorted_tau.shape[1]
+    if C > _COMPARE_LIMIT:
+        return torch.searchsorted(sorted_tau[None].expand(b, S, C).contiguous(), vals)
+    thr = sorted_tau.t().contiguous()[:, None, :, None]  # [C, 1, S, 1]
+    slot = (vals > thr[0]).to(torch.uint8)
+    if C == 1:
+        return slot
+    above_hi = vals > thr[C - 1]
+    between = slot.bool().logical_and_(~above_hi)
+    pick = between.view(-1).nonzero().squeeze(1)
+    if pick.numel() * 8 < between.numel():
+        seg = torch.div(pick, L, rounding_mode="floor").remainder_(S)
+        got = torch.searchsorted(sorted_tau.index_select(0, seg), vals.reshape(-1).index_select(0, pick)[:, None])
+        slot = above_hi.to(torch.uint8).mul_(C)
+        slot.view(-1).index_copy_(0, pick, got.squeeze(1).to(torch.uint8))
+        return slot
+    hit = torch.empty_like(above_hi)
+    for k in range(1, C - 1):
+        slot.add_(torch.gt(vals, thr[k], out=hit).view(torch.uint8))
+    return slot.add_(above_hi.view(torch.uint8))
 
 
 def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
@@ -209,6 +241,11 @@ def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
     return (_unpack(unassigned, width, L) & sims.mask[:, None]).transpose(0, 1)
 
 
+def _rank_dtype(n: int) -> torch.dtype:
+    """The narrowest integer dtype holding 0..n."""
+    return torch.uint8 if n <= 255 else torch.int16 if n <= 32767 else torch.int32
+
+
 def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor:
     """[S, L] long: local index of each member's seed (the first seed i < j with cos > tau; itself
     for seeds and padding). seeds: [S, L] bool; tau: [S]."""
@@ -220,9 +257,15 @@ def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor
     step = sims.block(S * L)
     for i0 in range(0, L - 1, step):
         i1 = min(i0 + step, L - 1)
+        b = i1 - i0
         hit = (sims.rows(i0, i1) > thr) & seed_rows[i0:i1, :, None]  # [b, S, L]
-        first = hit.to(torch.uint8).argmax(0) + i0  # first seed row of this block absorbing j
-        new = hit.any(0) & ~found
+        # the first hit row weighs most: one max over rows (vectorised along the members) gives
+        # both whether any seed of the block absorbs j and which one comes first (an argmax
+        # over the outer dim is several times slower)
+        rank = torch.arange(b, 0, -1, dtype=_rank_dtype(b), device=seeds.device)[:, None, None]
+        top = (hit * rank).amax(0)  # [S, L]: b - (first hit row), 0 where none
+        first = (i1 - top.long()).clamp_(max=L - 1)  # first seed row of this block absorbing j
+        new = (top > 0) & ~found
         seed_of = torch.where(new, first, seed_of)
         found |= new
     return seed_of
