@@ -181,7 +181,10 @@ class BucketSimilarity:
             vals = self._paired[p0:p1]  # [b, S, L]
             b = p1 - p0
             slot = _count_below(vals, sorted_tau, self.buffer)  # [b, S, L]
-            index = torch.add(self._col[p0:p1], slot, alpha=W, out=self.buffer("index", (b, S, L), torch.long))
+            index = self.buffer("index", (b, S, L), torch.long).copy_(slot)  # (a mixed-dtype add copies to a temporary)
+            if W > 1:
+                index.mul_(W)
+            index.add_(self._col[p0:p1])
             words = self.buffer("words", (b, S, 2 * (C + 1) * W), dtype).zero_()
             words.scatter_add_(2, index, self._bit[p0:p1].expand(b, S, L))  # disjoint bits: the sum is the union
             # members above threshold c: slots c + 1 .. C, the total less the prefix up to c (the
@@ -223,7 +226,7 @@ def _count_below(vals: Tensor, sorted_tau: Tensor, buffer=None) -> Tensor:
     above_hi = torch.gt(vals, thr[C - 1], out=buffer("above_hi", (b, S, L), torch.bool))  # implies above_lo
     slot = buffer("slot", (b, S, L), torch.uint8)
     between = torch.bitwise_xor(above_lo, above_hi, out=slot.view(torch.bool))
-    if int(between.sum()) * 8 < between.numel():
+    if int(torch.count_nonzero(between)) * 8 < between.numel():  # (a bool sum converts to int64 first)
         pick = between.view(-1).nonzero().squeeze(1)
         seg = torch.div(pick, L, rounding_mode="floor").remainder_(S)
         got = torch.searchsorted(sorted_tau.index_select(0, seg), vals.reshape(-1).index_select(0, pick)[:, None])
