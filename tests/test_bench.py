@@ -446,6 +446,14 @@ def test_performance_page_commands_parse():
     assert len(cost_cmds) >= 3
     for argv in cost_cmds:
         bench_cost.parser().parse_args(argv)
+    spec = importlib.util.spec_from_file_location("bench_decode_share", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "bench_decode_share.py")
+    share = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(share)
+    share_cmds = _doc_commands("python benchmarks/bench_decode_share.py")
+    assert share_cmds
+    for argv in share_cmds:
+        share.parser().parse_args(argv)
     from kvcompress import cli_bench
 
     bench_cmds = _doc_commands("python -m kvcompress.cli bench") + _doc_commands("kvcompress bench")
