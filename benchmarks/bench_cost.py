@@ -1,7 +1,8 @@
 """Compression cost of every preset as a share of the plain prefill (SmolLM2 8k), and its growth
 with N (synthetic Llama-3-8B-shaped keys, 2k..32k).
 
-    python benchmarks/bench_cost.py --threads 1 --out benchmarks/results/cost_smollm2_8k.json
+    python benchmarks/bench_cost.py --threads 1 --out benchmarks/results/cost_smollm2_8192.json
+    python benchmarks/bench_cost.py --threads 1 --exclude fitted   # the fitted presets' fit left out
     python benchmarks/bench_cost.py --scaling --threads 1 --out benchmarks/results/cost_scaling.json
     python benchmarks/bench_cost.py --scaling --presets quadratic --lengths 1024 2048 4096 8192 \
         --out benchmarks/results/cost_scaling_quadratic.json
@@ -59,7 +60,8 @@ def run_cost(args) -> dict:
     from kvcompress.bench.timing import plain_attention
     from kvcompress.presets import list_presets
 
-    names = [p for p in list_presets() if p not in SKIP_DEFAULT] if args.presets == ["all"] else args.presets
+    names = [p for p in list_presets() if p not in SKIP_DEFAULT and not any(x in p for x in args.exclude)] \
+        if args.presets == ["all"] else args.presets
     configs = configs_for(names, args.keep)
     loaded = load("smollm2")
     model = loaded.model
@@ -129,6 +131,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--keep", type=float, default=0.25)
     ap.add_argument("--presets", nargs="+", default=["all"])
+    ap.add_argument("--exclude", nargs="+", default=[],
+                    help="with --presets all: leave out presets whose name contains one of these (e.g. fitted)")
     ap.add_argument("--reconstruction", type=int, default=1,
                     help="reconstruction passes timed (kvzip presets; 0: skip)")
     ap.add_argument("--threads", type=int, default=1)

@@ -67,6 +67,26 @@ def test_d2o_nearest_kept_over_several_row_blocks(chunks, monkeypatch):
     assert bool((most_similar_kept(*args)[0] >= 0).any())
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), K=st.integers(1, 700), levels=st.sampled_from([0, 2, 5]),
+       masked=st.booleans())
+def test_row_max_is_max_with_the_first_index(seed, K, levels, masked):
+    """The blocked max against ``max(-1)``: equal values and the first index of the maximum, with
+    ties (few distinct values), rows that are all -inf (masked chunks) and a partial last block."""
+    from kvcompress.strategies.d2o import row_max
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 5, K, generator=gen)
+    if levels:
+        x = torch.randint(0, levels, x.shape, generator=gen).float()
+    if masked:
+        x[0, 1] = float("-inf")
+        x[1, :, :, : K // 2] = float("-inf")
+    val, idx = row_max(x)
+    want_val, want_idx = x.max(-1)
+    assert torch.equal(val, want_val) and torch.equal(idx, want_idx)
+
+
 # ------------------------------------------------------------------ window attention (CaM, H2O, SnapKV)
 from kvcompress import KVState  # noqa: E402
 from kvcompress.strategies.mergers import apply_merge_plan  # noqa: E402

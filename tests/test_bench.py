@@ -48,6 +48,37 @@ def test_results_file_holds_every_run_and_the_machine(tiny_results):
         "kv_bytes", "attention_32k", "tpot_smollm2_8k", "compression_overhead_8k", "bandwidth_smollm2_8k"]
 
 
+def test_a_preset_needing_the_reconstruction_pass_runs_it_and_reports_it_apart(tmp_path):
+    """kvzip presets read the reconstruction statistic: the bench runs the pass (the cache's
+    prefill hook, as CompressedCache.for_model registers it) and reports its time beside the
+    compression, which does not include it."""
+    settings = BenchSettings(**{**TINY, "presets": ("kvzip", "streamingllm"), "stock": False})
+    results = run_bench(settings, out=tmp_path / "eff.json", log=lambda line: None)
+    runs = {r["method"]: r for r in results["runs"]}
+    assert runs["kvzip"]["reconstruct_s"] > 0 and runs["kvzip"]["compress_s"] > 0
+    assert runs["kvzip"]["budget_met"] and runs["kvzip"]["keep_max"] <= 0.5 + 1e-9
+    assert runs["streamingllm"]["reconstruct_s"] is None and runs["full"]["reconstruct_s"] is None
+    assert len(runs["kvzip"]["tpot"]["steps_ms"]) == 2
+
+
+def test_the_reconstruction_pass_writes_the_statistic_the_pipeline_reads():
+    from kvcompress.bench.caches import compressed_cache, prefill_snapshot
+    from kvcompress.presets import get_preset
+
+    loaded = load("tiny")
+    ids = TokenSource(None, TINY_VOCAB).ids(48)
+    cfg = get_preset("kvzip", keep_ratio=0.5, on_infeasible="best_effort")
+    snap, _ = prefill_snapshot(loaded.model, None, TINY_VOCAB, ids, [cfg])
+    assert "reconstruction" not in snap.states[0].stats  # the snapshot has no scores: the pass must make them
+    built = compressed_cache(loaded.model, snap, cfg, "sdpa")
+    try:
+        assert built.reconstruct_s > 0
+        held = built.cache.valid_slots_per_layer()
+        assert all(0 < h <= 24 for h in held)
+    finally:
+        built.cache.close()
+
+
 def test_kv_bytes_match_hand_computed_sizes(tiny_results):
     results, _ = tiny_results
     geo = results["models"]["tiny"]["geometry"]
@@ -363,6 +394,11 @@ def test_cost_helpers_on_tiny_states():
     fed = cost.with_inputs(states, configs["h2o"])  # window 64 > 8: the queries are repeated
     assert fed[0].extras["queries"].shape[2] == 64 and fed[0].stats["attn_acc"].shape == (1, 2, 256)
     assert "reconstruction" not in fed[0].stats  # h2o reads no reconstruction scores
+    # a longer recorded window is cut to the pipeline's own (the last queries), as a cache records it
+    long_q = [st.replace(extras={"queries": torch.randn(1, 4, 80, 16)}) for st in states]
+    safe = cost.with_inputs(long_q, configs["semanticache-safe"])  # query window 32
+    assert torch.equal(safe[0].extras["queries"], long_q[0].extras["queries"][:, :, -32:])
+    assert "queries" not in cost.with_inputs(long_q, configs["centroidkv"])[0].extras  # needs none
     assert "attn_acc" not in states[0].stats  # the caller's states are untouched
     rec_fed = cost.with_inputs(states, configs["kvzip-gsc"])
     assert rec_fed[0].stats["reconstruction"].shape == (1, 2, 256) and bool((rec_fed[0].stats["reconstruction"] >= 0).all())
@@ -410,6 +446,14 @@ def test_performance_page_commands_parse():
     assert len(cost_cmds) >= 3
     for argv in cost_cmds:
         bench_cost.parser().parse_args(argv)
+    spec = importlib.util.spec_from_file_location("bench_decode_share", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "bench_decode_share.py")
+    share = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(share)
+    share_cmds = _doc_commands("python benchmarks/bench_decode_share.py")
+    assert share_cmds
+    for argv in share_cmds:
+        share.parser().parse_args(argv)
     from kvcompress import cli_bench
 
     bench_cmds = _doc_commands("python -m kvcompress.cli bench") + _doc_commands("kvcompress bench")

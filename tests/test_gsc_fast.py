@@ -87,3 +87,21 @@ def test_spared_words_equal_a_comparison_per_threshold(seed, L, S, C, shuffled):
         bits = fast._unpack(words, width, Lb)  # [L', S', C, Lb]
         absorbed = sims.dense[:, :, None, :] > tau[None, :, :, None]
         assert torch.equal(bits[:Lb - 1], ~absorbed[:Lb - 1])
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 4), S=st.integers(1, 5), L=st.integers(1, 40),
+       C=st.integers(1, 70), width=st.sampled_from([2.0, 0.1, 0.001]), ties=st.booleans())
+def test_count_below_equals_searchsorted(seed, b, S, L, C, width, ties):
+    """Both branches (comparisons, and the search of the few values inside a narrow bracket) and
+    the binary search for many thresholds give searchsorted's slot, ties at thresholds included."""
+    gen = torch.Generator().manual_seed(seed)
+    centre = torch.rand(S, 1, generator=gen) - 0.5
+    tau = (centre + (torch.rand(S, C, generator=gen) - 0.5) * width).sort(1).values
+    vals = torch.rand(b, S, L, generator=gen) * 2 - 1
+    if ties:  # values exactly at thresholds
+        vals[..., ::2] = tau[None, :, :1].expand(b, S, 1)
+        vals[..., 1::3] = tau[None, :, -1:].expand(b, S, 1)
+    vals[0, 0, 0] = fast._EXCLUDED
+    want = torch.searchsorted(tau[None].expand(b, S, C).contiguous(), vals)
+    assert torch.equal(fast._count_below(vals, tau).long(), want)

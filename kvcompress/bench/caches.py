@@ -5,7 +5,11 @@
 - ``uncompressed_cache``: a ``CompressedCache`` without a pipeline: the same preallocated
   buffers and proportional-attention kernels as the compressed caches, nothing merged.
 - ``compressed_cache``: a copy compressed by a pipeline exactly as in a real prefill
-  (``kvcompress.eval.caches.compressed_copy``).
+  (``kvcompress.eval.caches.compressed_copy``). A pipeline that needs a model pass before it
+  compresses (``needs.model_pass``: the question-free importance presets read the reconstruction
+  statistic) gets it as ``CompressedCache.for_model`` would register it: the reconstruction
+  pass as a prefill hook of a cache bound to the model, run by ``cache.compress()`` before the
+  pipeline; its time is reported apart (``Built.reconstruct_s``), not as compression.
 - ``clone_cache``: an independent copy of a built cache (another backend decodes from the same
   compressed state without compressing twice).
 - ``random_snapshot``: a snapshot of random keys/values over real token ids, for models whose
@@ -106,14 +110,65 @@ class Built:
     budget_met: bool
     keep_mean: float
     keep_max: float
+    reconstruct_s: float | None = None  # the model pass before the compression (needs.model_pass)
 
 
-def compressed_cache(model, snapshot: Snapshot, config, backend: str) -> Built:
-    """``snapshot`` compressed by ``config`` (a PipelineConfig) into a cache bound to ``model``."""
+def compressed_cache(model, snapshot: Snapshot, config, backend: str, tokenizer=None) -> Built:
+    """``snapshot`` compressed by ``config`` (a PipelineConfig) into a cache bound to ``model``.
+
+    tokenizer: builds the reconstruction pass's repeat prompt for pipelines that need the model
+               pass (without one, e.g. the tiny test model, the context's first tokens stand in)
+    """
+    from ..pipeline import Pipeline
+
+    pipe = Pipeline(config)
+    if pipe.needs.model_pass:
+        return _with_model_pass(model, snapshot, pipe, backend, tokenizer)
     copy_ = compressed_copy(model, dataclasses.replace(snapshot, backend=backend), config)
     cache = copy_.cache
     return Built(cache, float(cache.stats["compress_s"]), copy_.compress_s, copy_.layers_met,
                  copy_.keep_mean, copy_.keep_max)
+
+
+STAND_IN_PROMPT = 8  # tokens of the context used as the repeat prompt when there is no tokenizer
+
+
+def _with_model_pass(model, snapshot: Snapshot, pipe, backend: str, tokenizer) -> Built:
+    """A cache bound to ``model`` holding the snapshot, the reconstruction pass registered as its
+    prefill hook (what ``CompressedCache.for_model`` does for such a pipeline), compressed."""
+    from ..hf import CompressedCache
+    from ..hf.reconstruct import prefill_hook
+
+    needs = pipe.needs
+    states = []
+    for st in snapshot.states:  # what this pipeline's own cache would have recorded, nothing more
+        extras = {k: v for k, v in st.extras.items() if k not in ("queries", "reference_queries")}
+        q = st.extras.get("queries")
+        if needs.query_window and q is not None:
+            extras["queries"] = q[:, :, -needs.query_window:]
+        if needs.reference_queries and "reference_queries" in st.extras:
+            extras["reference_queries"] = st.extras["reference_queries"]
+        stats = {k: v for k, v in st.stats.items() if k != "attn_acc" or needs.attention}
+        states.append(st.replace(extras=extras, stats=stats))
+    start = time.perf_counter()
+    cache = CompressedCache.from_states(states, pipe, vocab=snapshot.vocab, backend=backend,
+                                        geometry=snapshot.geometry, model=model)
+    hook = (prefill_hook(tokenizer) if tokenizer is not None
+            else prefill_hook(repeat_ids=snapshot.token_ids[:1, :STAND_IN_PROMPT].clone()))
+    cache.add_prefill_hook(hook)
+    with torch.inference_mode():
+        cache.compress()
+    copy_s = time.perf_counter() - start
+    reconstruct_s = float(cache.stats.get("reconstruct_s", 0.0))
+    ratios, met = [], True
+    skip = 0 if cache.seq_start is None else int(cache.seq_start.max())
+    for i in cache.compressed_layer_ids():
+        layer = cache.layers[i]
+        ratios.append(layer.valid_slots().double() / max(layer.num_tokens - skip, 1))  # [B, H]
+        met = met and (layer.last_report is None or bool(layer.last_report.budget_met))
+    keep = torch.stack(ratios)
+    return Built(cache, float(cache.stats["compress_s"]), copy_s - reconstruct_s, met, float(keep.mean()),
+                 float(keep.max()), reconstruct_s)
 
 
 def clone_cache(cache, model, backend: str | None = None):

@@ -36,21 +36,25 @@ RECONSTRUCTION = "reconstruction"  # the per-slot statistic the reconstruction p
 
 
 def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVState]:
-    """The states with what ``config``'s scorers read: ``extras["queries"]`` of at least its
-    query window (repeated along the window when the snapshot holds fewer) and, with
+    """The states with what ``config``'s scorers read: ``extras["queries"]`` of exactly its
+    query window (the last ones; repeated along the window when the snapshot holds fewer, none
+    when the pipeline needs no queries) and, with
     ``track_attention``, a random positive ``stats["attn_acc"]`` [B, H, N]; when a strategy reads
     the reconstruction statistic, a random positive ``stats["reconstruction"]`` [B, H, N]."""
     from ..pipeline import Pipeline
 
     gen = torch.Generator().manual_seed(seed)
-    model_pass = Pipeline(config).needs.model_pass
+    needs = Pipeline(config).needs
+    model_pass, window = needs.model_pass, needs.query_window
     out = []
     for st in states:
         extras = dict(st.extras)
-        q = extras.get("queries")
-        if config.query_window and q is not None and q.shape[2] < config.query_window:
-            reps = -(-config.query_window // q.shape[2])
-            extras["queries"] = torch.cat([q] * reps, 2)[:, :, -config.query_window:]
+        q = extras.pop("queries", None)
+        if window and q is not None:
+            # exactly the window a cache built for this pipeline records (the snapshot may hold
+            # a longer one, recorded for another preset: the query scorers' cost grows with it)
+            reps = -(-window // q.shape[2])
+            extras["queries"] = (torch.cat([q] * reps, 2) if reps > 1 else q)[:, :, -window:]
         stats = dict(st.stats)
         if config.track_attention:
             stats["attn_acc"] = torch.rand(st.keys.shape[:3], generator=gen)

@@ -37,6 +37,12 @@ def _shown(run, backend, backends) -> bool:
     return run["method"] != "full-stock" or backend == backends[0]
 
 
+def _pass_note(run) -> str:
+    """The reconstruction pass of a question-free importance preset, apart from its compression."""
+    secs = run.get("reconstruct_s")
+    return "" if secs is None else f" (+ {secs:.2f} pass)"
+
+
 def memory_table(results: dict, model: str) -> str:
     runs = [r for r in results["runs"] if r["model"] == model]
     first = next((r["backend"] for r in runs if r["method"] == "full"), None)
@@ -56,7 +62,7 @@ def memory_table(results: dict, model: str) -> str:
             f"| {r['kv_bytes_allocated'] / MIB:.1f} | {r['kv_bytes_allocated'] / r['kv_bytes_full']:.3f} "
             f"| {_fmt((r.get('build_rss_delta') or 0) / MIB, 0)} "
             f"| {_fmt(r['decode_step_rss'].get('delta', 0) / MIB, 0)} "
-            f"| {r['compress_s']:.2f} | {att_txt} |")
+            f"| {r['compress_s']:.2f}{_pass_note(r)} | {att_txt} |")
     return "\n".join(lines)
 
 

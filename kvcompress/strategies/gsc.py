@@ -103,6 +103,18 @@ class BucketSimilarity:
         self._paired = None  # [L/2, S, L] rows i and L-1-i in one (see _absorbed_dense)
         self._bit = self._col = self._word_row = None
         self._cols_for = -1
+        # buffers reused by the search passes of this bucket: a fresh multi-MB tensor per op
+        # costs its page faults again each time (as much as the arithmetic at these sizes)
+        self._scratch: dict[str, Tensor] = {}
+
+    def buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> Tensor:
+        """An uninitialised scratch tensor, the same one for every call with this name and
+        shape (its content is valid until the next call that asks for it)."""
+        buf = self._scratch.get(name)
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            buf = torch.empty(shape, dtype=dtype, device=self.mask.device)
+            self._scratch[name] = buf
+        return buf
 
     def _compute(self, i0: int, i1: int) -> Tensor:
         sims = torch.matmul(self.keys[:, i0:i1], self.keys.transpose(1, 2))  # [S, b, L]
@@ -162,25 +174,69 @@ class BucketSimilarity:
             self._col = (lower * (C + 1) * W + word)[:, None, :]  # [P, 1, L]
             self._cols_for = C
         sorted_tau, perm = tau.sort(dim=1, stable=True)  # [S, C]
-        out = torch.empty(L, S, C, W, dtype=dtype, device=device)
+        out = self.buffer("absorbed", (L, S, C, W), dtype)  # the caller is done with it before the next pass
         step = max(1, ADJ_LIMIT // max(1, S * L * 8))  # bounds the [b, S, L] slot indices
         for p0 in range(0, P, step):
             p1 = min(p0 + step, P)
             vals = self._paired[p0:p1]  # [b, S, L]
             b = p1 - p0
-            # slot of each cosine: how many thresholds lie strictly below it
-            slot = torch.searchsorted(sorted_tau[None].expand(b, S, C).contiguous(), vals)  # [b, S, L]
-            index = slot.mul_(W).add_(self._col[p0:p1])
-            words = torch.zeros(b, S, 2 * (C + 1) * W, dtype=dtype, device=device)
+            slot = _count_below(vals, sorted_tau, self.buffer)  # [b, S, L]
+            index = self.buffer("index", (b, S, L), torch.long).copy_(slot)  # (a mixed-dtype add copies to a temporary)
+            if W > 1:
+                index.mul_(W)
+            index.add_(self._col[p0:p1])
+            words = self.buffer("words", (b, S, 2 * (C + 1) * W), dtype).zero_()
             words.scatter_add_(2, index, self._bit[p0:p1].expand(b, S, L))  # disjoint bits: the sum is the union
-            words = words.view(b, S, 2, C + 1, W).flip(3).cumsum(3, dtype=dtype).flip(3)  # members above slot k
-            above = words[:, :, :, 1:]  # [b, S, 2, C, W]: threshold c counts slots c + 1 .. C
+            # members above threshold c: slots c + 1 .. C, the total less the prefix up to c (the
+            # sums wrap like the words' bits: exact in two's complement)
+            prefix = torch.cumsum(words.view(b, S, 2, C + 1, W), 3, dtype=dtype,
+                                  out=self.buffer("prefix", (b, S, 2, C + 1, W), dtype))
+            above = torch.sub(prefix[:, :, :, C:], prefix[:, :, :, :C],
+                              out=self.buffer("above", (b, S, 2, C, W), dtype))  # [b, S, 2, C, W]
             out[p0:p1] = above[:, :, 0]
             out[L - p1:L - p0] = above[:, :, 1].flip(0)
         if not bool((perm == torch.arange(C, device=device)).all()):
             inverse = perm.argsort(1)  # [S, C]: sorted position of each original threshold
             out = out.gather(2, inverse[None, :, :, None].expand(L, S, C, W))
         return out
+
+
+_COMPARE_LIMIT = 64  # thresholds per segment up to which comparisons beat a binary search
+
+
+def _count_below(vals: Tensor, sorted_tau: Tensor, buffer=None) -> Tensor:
+    """[b, S, L] integer: how many of segment s's thresholds lie strictly below each value (the
+    slot ``searchsorted`` finds). vals: [b, S, L]; sorted_tau: [S, C] ascending; buffer:
+    ``BucketSimilarity.buffer`` (scratch tensors reused between calls) or None.
+
+    One comparison per threshold is faster on CPU than a binary search per value. After a few
+    search passes the thresholds bracket a narrow interval and most cosines lie below or above
+    all of them: then only those in between are searched."""
+    b, S, L = vals.shape
+    C = sorted_tau.shape[1]
+    if C > _COMPARE_LIMIT:
+        return torch.searchsorted(sorted_tau[None].expand(b, S, C).contiguous(), vals)
+    if buffer is None:
+        def buffer(name, shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=vals.device)
+    thr = sorted_tau.t().contiguous()[:, None, :, None]  # [C, 1, S, 1]
+    above_lo = torch.gt(vals, thr[0], out=buffer("above_lo", (b, S, L), torch.bool))
+    if C == 1:
+        return above_lo.view(torch.uint8)
+    above_hi = torch.gt(vals, thr[C - 1], out=buffer("above_hi", (b, S, L), torch.bool))  # implies above_lo
+    slot = buffer("slot", (b, S, L), torch.uint8)
+    between = torch.bitwise_xor(above_lo, above_hi, out=slot.view(torch.bool))
+    if int(torch.count_nonzero(between)) * 8 < between.numel():  # (a bool sum converts to int64 first)
+        pick = between.view(-1).nonzero().squeeze(1)
+        seg = torch.div(pick, L, rounding_mode="floor").remainder_(S)
+        got = torch.searchsorted(sorted_tau.index_select(0, seg), vals.reshape(-1).index_select(0, pick)[:, None])
+        torch.mul(above_hi.view(torch.uint8), C, out=slot)
+        return slot.view(-1).index_copy_(0, pick, got.squeeze(1).to(torch.uint8)).view(b, S, L)
+    torch.add(above_lo.view(torch.uint8), above_hi.view(torch.uint8), out=slot)  # bools viewed as 0/1 bytes
+    hit = above_lo  # reused as the comparison buffer
+    for k in range(1, C - 1):
+        slot.add_(torch.gt(vals, thr[k], out=hit).view(torch.uint8))
+    return slot
 
 
 def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
@@ -209,6 +265,11 @@ def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
     return (_unpack(unassigned, width, L) & sims.mask[:, None]).transpose(0, 1)
 
 
+def _rank_dtype(n: int) -> torch.dtype:
+    """The narrowest integer dtype holding 0..n."""
+    return torch.uint8 if n <= 255 else torch.int16 if n <= 32767 else torch.int32
+
+
 def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor:
     """[S, L] long: local index of each member's seed (the first seed i < j with cos > tau; itself
     for seeds and padding). seeds: [S, L] bool; tau: [S]."""
@@ -220,9 +281,15 @@ def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor
     step = sims.block(S * L)
     for i0 in range(0, L - 1, step):
         i1 = min(i0 + step, L - 1)
+        b = i1 - i0
         hit = (sims.rows(i0, i1) > thr) & seed_rows[i0:i1, :, None]  # [b, S, L]
-        first = hit.to(torch.uint8).argmax(0) + i0  # first seed row of this block absorbing j
-        new = hit.any(0) & ~found
+        # the first hit row weighs most: one max over rows (vectorised along the members) gives
+        # both whether any seed of the block absorbs j and which one comes first (an argmax
+        # over the outer dim is several times slower)
+        rank = torch.arange(b, 0, -1, dtype=_rank_dtype(b), device=seeds.device)[:, None, None]
+        top = (hit * rank).amax(0)  # [S, L]: b - (first hit row), 0 where none
+        first = (i1 - top.long()).clamp_(max=L - 1)  # first seed row of this block absorbing j
+        new = (top > 0) & ~found
         seed_of = torch.where(new, first, seed_of)
         found |= new
     return seed_of

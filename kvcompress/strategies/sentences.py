@@ -99,8 +99,14 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
         logits.div_(math.sqrt(D)).add_(st.log_sizes[:, :, None, None, :])  # [B, H, G, W, N]
         # query w sits at token T - W + w and sees only slots at or before it
         qpos = st.num_tokens - W + torch.arange(W, device=q.device)  # [W]
-        future = st.positions[:, :, None, None, :] > qpos[None, None, None, :, None]
-        probs = torch.softmax(logits.masked_fill_(future, float("-inf")), -1).nan_to_num_(0.0)
+        # only slots after the first query's token can be in a query's future: mask from the
+        # first column holding one (the last W columns of a prefill), not the whole [.., N]
+        late = (st.positions > qpos[0]).any(1).any(0).nonzero()  # [n, 1] columns
+        if late.numel():
+            n0 = int(late[0, 0])
+            future = st.positions[:, :, None, None, n0:] > qpos[None, None, None, :, None]
+            logits[..., n0:].masked_fill_(future, float("-inf"))
+        probs = torch.softmax(logits, -1).nan_to_num_(0.0)
         per_slot = probs.amax(dim=(2, 3))  # [B, H, N]
         out += _per_head_max(per_slot, _slot_sentences(st, sid), num).sum(1)
     return out
