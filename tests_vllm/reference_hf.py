@@ -21,8 +21,7 @@ import time
 # per prompt kind: the methods compared (the vLLM tests run the same ones)
 # (no "full": the full preset is compared with stock vLLM, not with this path)
 TEXT_METHODS = [("semanticache", 0.5), ("centroidkv", 0.5), ("semanticache-fitted", 0.5)]
-NIAH_METHODS = [("semanticache", 0.5)]
-FIRST_NIAH_METHODS = [("semanticache", 0.5), ("semanticache-safe", 0.5)]  # guards + query window: one prompt
+NIAH_METHODS = [("semanticache", 0.5), ("semanticache-safe", 0.5)]  # the faithful preset; guards + query window
 NIAH_LENGTH = 1000
 NIAH_DEPTHS = (0.1, 0.35, 0.65, 0.9)
 TEXT_TOKENS = 400
@@ -51,9 +50,9 @@ def main(model_dir: str, out_path: str) -> None:
     _write(os.path.join(out_path, "prompts.json"), prompts)  # the vLLM side can start now
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = []
-    for i, prompt in enumerate(prompts):
+    for prompt in prompts:
         ids = torch.tensor([prompt["ids"]])
-        methods = TEXT_METHODS if prompt["id"] == "text" else FIRST_NIAH_METHODS if i == 1 else NIAH_METHODS
+        methods = TEXT_METHODS if prompt["id"] == "text" else NIAH_METHODS
         for preset, budget in methods:
             start = time.perf_counter()
             kw = {} if budget is None else {"keep_ratio": budget}
