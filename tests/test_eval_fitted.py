@@ -131,7 +131,7 @@ def test_importance_guided_clusters_with_the_fitted_merger(model, tok, ids, quer
     rec.feed(ids)
     snap = rec.snapshot()
     rec.close()
-    copy = copy_for(model, tok, snap, cfg)  # chat=None: the repeat prompt the prefill hook uses
+    copy = copy_for(model, tok, snap, cfg)  # the repeat prompt the prefill hook uses (the chat template)
     mean = copy_for(model, tok, snap, cfg.replace(merger=StrategySpec("degree")))
     assert copy.keep_max <= 0.4 + 1e-6
     assert any(not torch.equal(a.values, b.values) for a, b in zip(copy.cache.layers, mean.cache.layers))
