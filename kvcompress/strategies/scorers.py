@@ -58,6 +58,15 @@ def query_positions(state: KVState, num_queries: int) -> Tensor:
     return torch.arange(state.num_tokens - num_queries, state.num_tokens, device=state.keys.device)
 
 
+def late_start(positions: Tensor, first_query: Tensor | int) -> int:
+    """The first slot index at which any head of any row holds a slot later than the window's
+    first query (``positions`` [B, H, N]); N when none does. Only columns from there on can be
+    hidden from some query, so a causal mask needs to cover them alone (at the end of a prefill,
+    the window's own last W slots)."""
+    late = (positions > first_query).flatten(0, 1).any(0).nonzero()
+    return int(late[0, 0]) if late.numel() else positions.shape[-1]
+
+
 def window_attention(
     state: KVState,
     queries: Tensor,
@@ -85,10 +94,8 @@ def window_attention(
     valid = state.valid
     bias = state.log_sizes if proportional else torch.zeros_like(state.log_sizes)
     bias = bias.masked_fill(~valid, float("-inf"))  # [B, H, N]
-    # only slots later than the window's first query can be hidden from a query: the [W, N]
-    # causal mask is built over those columns alone (at prefill, the window's own W slots)
-    late = (state.positions > qpos[0]).flatten(0, 1).any(0).nonzero()  # columns some query may not see
-    tail = slice(int(late[0, 0]) if late.numel() else N, N)
+    # the [W, N] causal mask over the columns some query may not see only
+    tail = slice(late_start(state.positions, qpos[0]), N)
     visible = state.positions[:, :, None, tail] <= qpos[None, None, :, None]  # [B, H, W, N_tail]
     q_real = (qpos[None, :] >= state.start()[:, None]).float()  # [B, W]
     q = queries.reshape(B, H, G, W, D).float()

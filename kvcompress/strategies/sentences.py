@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..types import KVState
 from ..validation import require
+from .scorers import late_start
 
 SENTENCE_ENDS = (".", "!", "?", "\n")
 
@@ -101,9 +102,8 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
         qpos = st.num_tokens - W + torch.arange(W, device=q.device)  # [W]
         # only slots after the first query's token can be in a query's future: mask from the
         # first column holding one (the last W columns of a prefill), not the whole [.., N]
-        late = (st.positions > qpos[0]).any(1).any(0).nonzero()  # [n, 1] columns
-        if late.numel():
-            n0 = int(late[0, 0])
+        n0 = late_start(st.positions, qpos[0])
+        if n0 < N:
             future = st.positions[:, :, None, None, n0:] > qpos[None, None, None, :, None]
             logits[..., n0:].masked_fill_(future, float("-inf"))
         probs = torch.softmax(logits, -1).nan_to_num_(0.0)
