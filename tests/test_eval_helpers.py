@@ -91,3 +91,16 @@ def tok():
 @pytest.fixture(scope="module")
 def model(tok):
     return tiny_model(len(tok))
+
+
+def stub_eval_cli(monkeypatch, model, tok, folder, text: str = TEXT):
+    """`kvcompress eval` on the tiny model: its model and tokenizer loaders return ``model`` /
+    ``tok``; returns a haystack folder under ``folder`` holding ``text`` as one essay."""
+    from kvcompress import cli_eval
+
+    monkeypatch.setattr(cli_eval, "_load", lambda args: (model, tok, 0.0))
+    monkeypatch.setattr(cli_eval, "load_tokenizer", lambda name: tok)
+    hay = folder / "hay"
+    hay.mkdir()
+    (hay / "essay.txt").write_text(text)
+    return hay

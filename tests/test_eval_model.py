@@ -18,7 +18,7 @@ from kvcompress.eval.results import CellStore
 from kvcompress.eval.runner import Grid, run_qa
 from kvcompress.types import KVState
 
-from test_eval_helpers import TEXT, ForwardCounter, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401,E501  (fixtures)
+from test_eval_helpers import TEXT, stub_eval_cli, ForwardCounter, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401,E501  (fixtures)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = {"recent": 8}  # so that the presets can compress a ~150-token prompt
@@ -229,11 +229,7 @@ def test_fidelity_full_cache_is_exact_and_compression_is_not(model, tok, tmp_pat
 def test_cli_niah_end_to_end_and_report(model, tok, tmp_path, monkeypatch):
     from kvcompress import cli_eval
 
-    monkeypatch.setattr(cli_eval, "_load", lambda args: (model, tok, 0.0))
-    monkeypatch.setattr(cli_eval, "load_tokenizer", lambda name: tok)
-    hay = tmp_path / "hay"
-    hay.mkdir()
-    (hay / "essay.txt").write_text(TEXT)
+    hay = stub_eval_cli(monkeypatch, model, tok, tmp_path)
     out = tmp_path / "out"
     argv = ["niah", "--haystack", str(hay), "--lengths", "100", "--depths", "0.5", "--presets", "full,streamingllm",
             "--method", "centroidkv:recent=8", "--override", "sinks=2", "--budgets", "0.5", "--protocols",

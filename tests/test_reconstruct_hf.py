@@ -9,7 +9,7 @@ import torch
 
 from kvcompress.hf.reconstruct import reconstruction_scores, repeat_prompt_ids
 
-from test_eval_helpers import TEXT, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401  (fixtures)
+from test_eval_helpers import TEXT, stub_eval_cli, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401  (fixtures)
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,11 +95,7 @@ def test_states_without_model_access_are_a_clear_error(model, tok):
 def test_eval_niah_runs_the_pass_once_per_sample(model, tok, tmp_path, monkeypatch):
     from kvcompress import cli_eval
 
-    monkeypatch.setattr(cli_eval, "_load", lambda args: (model, tok, 0.0))
-    monkeypatch.setattr(cli_eval, "load_tokenizer", lambda name: tok)
-    hay = tmp_path / "hay"
-    hay.mkdir()
-    (hay / "essay.txt").write_text(TEXT)
+    hay = stub_eval_cli(monkeypatch, model, tok, tmp_path)
     out = tmp_path / "out"
     argv = ["niah", "--haystack", str(hay), "--lengths", "120", "--depths", "0.5", "--presets",
             "full,snapkv,kvzip,kvzip-csm,kvzip-adakv", "--override", "recent=8", "--budgets", "0.25,0.5",
@@ -118,11 +114,7 @@ def test_eval_niah_runs_the_pass_once_per_sample(model, tok, tmp_path, monkeypat
 def test_eval_agreement_runs(model, tok, tmp_path, monkeypatch):
     from kvcompress import cli_eval
 
-    monkeypatch.setattr(cli_eval, "_load", lambda args: (model, tok, 0.0))
-    monkeypatch.setattr(cli_eval, "load_tokenizer", lambda name: tok)
-    hay = tmp_path / "hay"
-    hay.mkdir()
-    (hay / "essay.txt").write_text(TEXT * 3)
+    hay = stub_eval_cli(monkeypatch, model, tok, tmp_path, TEXT * 3)
     out = tmp_path / "agree"
     argv = ["agreement", "--haystack", str(hay), "--length", "120", "--samples", "1", "--new-tokens", "4",
             "--presets", "snapkv,kvzip", "--override", "recent=8", "--budgets", "0.5", "--no-progress",
