@@ -166,7 +166,7 @@ class _OldEvalPipeline(Pipeline):
 
 @pytest.mark.parametrize("preset", ["semanticache", "centroidkv", "semanticache-safe", "snapkv"])
 def test_eval_oracle_copies_agree_with_the_subclass_reference(preset):
-    from kvcompress.eval.caches import _as_needed
+    from kvcompress.eval.caches import as_needed
     from kvcompress.hf import CompressedCache
 
     torch.set_num_threads(1)
@@ -181,7 +181,7 @@ def test_eval_oracle_copies_agree_with_the_subclass_reference(preset):
     span, marks = (60, 72), {"needle": (60, 72), "other": (100, 110)}
     new = compressed_copy(model, snap, cfg, protect=[span], marks=marks)
     old_pipe = _OldEvalPipeline(cfg, protect=[span], marks=marks)
-    old = CompressedCache.from_states([_as_needed(s, old_pipe.needs, preset) for s in snap.states], old_pipe,
+    old = CompressedCache.from_states([as_needed(s, old_pipe.needs, preset) for s in snap.states], old_pipe,
                                       vocab=snap.vocab, backend="sdpa", geometry=snap.geometry)
     with torch.inference_mode():
         old.compress()

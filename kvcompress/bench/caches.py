@@ -25,7 +25,7 @@ import time
 import torch
 from torch import Tensor
 
-from ..eval.caches import Recorder, Snapshot, compressed_copy, recording_needs
+from ..eval.caches import Recorder, Snapshot, as_needed, compressed_copy, keep_reached, recording_needs
 from ..types import KVState
 from ..validation import require
 
@@ -139,17 +139,8 @@ def _with_model_pass(model, snapshot: Snapshot, pipe, backend: str, tokenizer) -
     from ..hf import CompressedCache
     from ..hf.reconstruct import prefill_hook
 
-    needs = pipe.needs
-    states = []
-    for st in snapshot.states:  # what this pipeline's own cache would have recorded, nothing more
-        extras = {k: v for k, v in st.extras.items() if k not in ("queries", "reference_queries")}
-        q = st.extras.get("queries")
-        if needs.query_window and q is not None:
-            extras["queries"] = q[:, :, -needs.query_window:]
-        if needs.reference_queries and "reference_queries" in st.extras:
-            extras["reference_queries"] = st.extras["reference_queries"]
-        stats = {k: v for k, v in st.stats.items() if k != "attn_acc" or needs.attention}
-        states.append(st.replace(extras=extras, stats=stats))
+    # what this pipeline's own cache would have recorded, nothing more
+    states = [as_needed(st, pipe.needs, pipe.config.name) for st in snapshot.states]
     start = time.perf_counter()
     cache = CompressedCache.from_states(states, pipe, vocab=snapshot.vocab, backend=backend,
                                         geometry=snapshot.geometry, model=model)
@@ -160,15 +151,9 @@ def _with_model_pass(model, snapshot: Snapshot, pipe, backend: str, tokenizer) -
         cache.compress()
     copy_s = time.perf_counter() - start
     reconstruct_s = float(cache.stats.get("reconstruct_s", 0.0))
-    ratios, met = [], True
-    skip = 0 if cache.seq_start is None else int(cache.seq_start.max())
-    for i in cache.compressed_layer_ids():
-        layer = cache.layers[i]
-        ratios.append(layer.valid_slots().double() / max(layer.num_tokens - skip, 1))  # [B, H]
-        met = met and (layer.last_report is None or bool(layer.last_report.budget_met))
-    keep = torch.stack(ratios)
-    return Built(cache, float(cache.stats["compress_s"]), copy_s - reconstruct_s, met, float(keep.mean()),
-                 float(keep.max()), reconstruct_s)
+    keep_mean, keep_max, met = keep_reached(cache)
+    return Built(cache, float(cache.stats["compress_s"]), copy_s - reconstruct_s, met, keep_mean, keep_max,
+                 reconstruct_s)
 
 
 def clone_cache(cache, model, backend: str | None = None):

@@ -190,7 +190,7 @@ class Copy:
     trace: dict = field(default_factory=dict)  # mark name -> means over layers of trace_mark
 
 
-def _as_needed(state: KVState, needs: Needs, name: str) -> KVState:
+def as_needed(state: KVState, needs: Needs, name: str) -> KVState:
     """The snapshot's state with what this pipeline needs: its query window (the last W
     queries), reference queries and attention statistics, nothing more."""
     queries = state.extras.get("queries")
@@ -227,7 +227,7 @@ def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protec
 
     marks = dict(marks or {})
     pipe = Pipeline(config)
-    states = [with_marks(_as_needed(st, pipe.needs, config.name), marks) for st in snapshot.states]
+    states = [with_marks(as_needed(st, pipe.needs, config.name), marks) for st in snapshot.states]
     cache = CompressedCache.from_states(states, pipe, vocab=snapshot.vocab, backend=snapshot.backend,
                                         geometry=snapshot.geometry)
     tokens = span_tokens(protect, snapshot.token_ids.shape[0], snapshot.num_tokens, snapshot.token_ids.device)
@@ -236,26 +236,33 @@ def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protec
         cache.compress(protect=tokens)
     compress_s = time.perf_counter() - start
 
-    ratios, met = [], True
+    keep_mean, keep_max, met = keep_reached(cache)
     traces: dict[int, dict] = {}
     for i in cache.compressed_layer_ids():
-        layer = cache.layers[i]
-        tokens_seen = max(layer.num_tokens - (0 if cache.seq_start is None else int(cache.seq_start.max())), 1)
-        ratios.append(layer.valid_slots().double() / tokens_seen)  # [B, H] (float32 reads 200/1000 as > 0.2)
-        report = layer.last_report
-        met = met and (report is None or bool(report.budget_met))
+        report = cache.layers[i].last_report
         if marks and report is not None:
             st = cache.layer_state(i)
             traces[i] = {name: trace_mark(st, st.stats[MARK_PREFIX + name], b - a) for name, (a, b) in marks.items()}
     for name in marks:
         cache.drop_stats(MARK_PREFIX + name)  # traced; decoding need not carry them
     cache.bind(model)
-    ratios_t = torch.stack(ratios)  # [L, B, H]
     trace = {}
     if traces:
         for name in marks:
             rows = [t[name] for t in traces.values()]
             trace[name] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
             trace[name]["alone_per_layer"] = [round(traces[i][name]["alone"], 3) for i in sorted(traces)]
-    return Copy(cache=cache, compress_s=compress_s, keep_max=float(ratios_t.max()), keep_mean=float(ratios_t.mean()),
-                layers_met=met, trace=trace)
+    return Copy(cache=cache, compress_s=compress_s, keep_max=keep_max, keep_mean=keep_mean, layers_met=met, trace=trace)
+
+
+def keep_reached(cache) -> tuple[float, float, bool]:
+    """(mean keep, worst keep, every layer met its budget) of a compressed ``CompressedCache``
+    over its compressed layers: slots per head / real tokens seen (left padding excluded)."""
+    ratios, met = [], True
+    skip = 0 if cache.seq_start is None else int(cache.seq_start.max())
+    for i in cache.compressed_layer_ids():
+        layer = cache.layers[i]
+        ratios.append(layer.valid_slots().double() / max(layer.num_tokens - skip, 1))  # [B, H] (float32 reads 200/1000 as > 0.2)
+        met = met and (layer.last_report is None or bool(layer.last_report.budget_met))
+    keep = torch.stack(ratios)  # [L, B, H]
+    return float(keep.mean()), float(keep.max()), met
