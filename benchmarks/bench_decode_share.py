@@ -84,7 +84,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.length < TINY_CONTEXT + 1 or args.rounds < 1 or args.threads < 1 or not 0 < args.budget <= 1:
+        ap.error(f"--length > {TINY_CONTEXT}, --rounds >= 1, --threads >= 1 and 0 < --budget <= 1")
+    try:  # a bad preset name fails here, before the model loads
+        configs = {p: get_preset(p, keep_ratio=args.budget, on_infeasible="best_effort") for p in args.presets}
+    except ValueError as exc:
+        ap.error(str(exc))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     machine = describe_machine()
@@ -94,7 +101,6 @@ def main(argv=None) -> int:
     weights = weight_bytes_per_token(model)
     source = TokenSource(loaded.tokenizer, loaded.vocab, None, 0)
     ids = source.ids(args.length + 1)
-    configs = {p: get_preset(p, keep_ratio=args.budget, on_infeasible="best_effort") for p in args.presets}
     snap, prefill_s = C.prefill_snapshot(model, loaded.tokenizer, loaded.vocab, ids[:, :args.length],
                                          configs.values())
     tiny, _ = C.prefill_snapshot(model, loaded.tokenizer, loaded.vocab, ids[:, :TINY_CONTEXT], [])

@@ -472,3 +472,23 @@ def test_floors_table_reports_the_bandwidth_floor():
         {"method": "full-stock", "backend": "stock-sdpa", "share_of_floor": 0.16, "tpot_vs_plain": 1.0, "pass": None}]}]}
     text = report.floors_table(floors)
     assert "semanticache (sdpa): 20% of the floor, 1.5x plain" in text and "**FAIL**" in text
+
+
+@pytest.mark.parametrize("argv", [["--length", "3"], ["--budget", "0"], ["--rounds", "0"], ["--presets", "bogus"]])
+def test_decode_share_refuses_bad_arguments_before_loading(argv, monkeypatch, capsys):
+    """bench_decode_share.py: a bad value is one usage error, exit 2, and no model is loaded."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_decode_share", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "bench_decode_share.py")
+    share = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(share)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(share, "load", no_model)
+    with pytest.raises(SystemExit) as exit_:
+        share.main(argv)
+    assert exit_.value.code == 2
+    assert "error:" in capsys.readouterr().err
