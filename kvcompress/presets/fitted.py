@@ -3,8 +3,8 @@
 Each is the named preset with the ``fitted`` merger: the clusters are the method's own; only the
 merged slots' key, value and attention bias differ. They are fitted to the layer's last queries
 (``queries="window"``: 32, the ``-safe`` presets' own query window, so their guards see the same
-queries as without the fit; 32 rather than 64 keeps the fit near 2% of an 8k prefill at a small
-loss of KL, results/issue14-r), which the cache keeps anyway; measured on
+queries as without the fit; 32 rather than 64 cuts the fit from ~4.5% to 2.4-3.0% of an 8k
+prefill at a small loss of KL, results/issue14-r and issue14-cost), which the cache keeps anyway; measured on
 SmolLM2 they predict the queries that follow far better than queries strided over the prefill
 (docs/mergers.md). ``kvzip-csm-fitted`` fits to the reconstruction pass's queries, which its
 importance guard runs anyway. The SemantiCache variant uses fixed 64-token chunks (delimiter
