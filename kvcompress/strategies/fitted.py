@@ -174,49 +174,79 @@ class FittedMerger:
         B, H, M = merged.log_sizes.shape
         require(int(cluster.max()) < M if cluster.numel() else True, "merged", f"{M} slots",
                 "the merge of state under parent (one slot per representative)")
-        N = state.num_slots
+        N, D = state.num_slots, state.head_dim
         rows = B * H
         dev = parent.device
-        flat = (torch.arange(rows, device=dev)[:, None] * (M + 1)
-                + torch.where(cluster >= 0, cluster, M).reshape(rows, N)).reshape(-1)
-
-        def per_cluster(x: Tensor) -> Tensor:  # [B, H, N] -> summed over members [B, H, M]
-            return torch.zeros(rows * (M + 1), device=dev).index_add_(0, flat, x.reshape(-1)).view(B, H, M + 1)[:, :, :M]
-
+        member = cluster >= 0
         counts = merged.token_counts()  # the rounds' token counts, whatever the bias becomes
-        members = per_cluster((cluster >= 0).float())
-        # a cluster of identical keys is exact under proportional attention: keep it bit for bit
-        own_key = torch.cat([merged.keys, merged.keys.new_zeros(B, H, 1, state.head_dim)], 2)
-        own_key = own_key.gather(2, torch.where(cluster >= 0, cluster, M)[..., None].expand_as(state.keys))
-        spread = per_cluster(((state.keys != own_key).any(-1) & (cluster >= 0)).float())
-        fit = (members >= 2) & (spread > 0)  # [B, H, M]
+        # a cluster whose members' keys are all bitwise equal to its representative's is exact under
+        # proportional attention (and the mean merger returns that key): keep it bit for bit. A
+        # cluster with a differing member has two members or more, so "differs" is the whole test.
+        differs = member & _differs_from(state.keys, parent.clamp(min=0))
+        fit = torch.zeros(rows * (M + 1), device=dev).index_add_(
+            0, _flat_index(torch.where(member, cluster, M), M + 1), differs.reshape(-1).float()
+        ).view(B, H, M + 1)[:, :, :M] > 0  # [B, H, M]
         if not bool(fit.any()):
             return merged.replace(counts=counts)
         queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
-        # fit only the K clusters that need it (singletons and exact clusters are most slots of
-        # a mildly compressed cache): renumber them 0..K-1 per head; the other slots still count
-        # in the attention rows (cluster -1)
-        rank = fit.long().cumsum(-1) - 1  # [B, H, M]
+        fit_rows = fit.reshape(-1).nonzero().squeeze(1)  # [F] fitted slots, flat over [B * H * M]
+        rank = fit.long().cumsum(-1) - 1  # [B, H, M]: a fitted slot's index among its head's
         K = int(rank[..., -1].max()) + 1
-        compact = torch.where(fit, rank, -1)
-        sub_cluster = torch.where(cluster >= 0, compact.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
-        # the merged slot behind each compact index (heads with fewer than K: slot 0, never read)
-        src = torch.zeros(B, H, K + 1, dtype=torch.long, device=dev).scatter_(
-            -1, torch.where(fit, rank, K), torch.arange(M, device=dev).expand(B, H, M).contiguous())[..., :K]
-        pick = src[..., None].expand(B, H, K, state.head_dim)
+        prior_k, prior_v, prior_b = merged.keys, merged.values, merged.log_sizes
+        if COMPACT * K <= M:
+            # few clusters to fit (a mildly compressed cache is mostly singletons): fit K per
+            # head, renumbered 0..K-1; heads with fewer have empty rows (no members, never read)
+            sub = torch.where(fit, rank, -1)
+            at = (fit_rows // M) * K + rank.reshape(-1).index_select(0, fit_rows)  # [F] into [B * H * K]
+
+            def compact(x: Tensor, shape: tuple) -> Tensor:
+                flat = x.reshape(rows * M, -1)
+                out = flat.new_zeros(rows * K, flat.shape[1]).index_copy_(0, at, flat.index_select(0, fit_rows))
+                return out.view(shape)
+
+            prior_k, prior_v = compact(prior_k, (B, H, K, D)), compact(prior_v, (B, H, K, D))
+            prior_b = compact(prior_b, (B, H, K))
+        else:  # most slots are fitted clusters: fit in place, the others' results are not read
+            sub, at = torch.where(fit, torch.arange(M, device=dev), -1), fit_rows
+        # members of clusters not fitted still count in the attention rows (cluster -1)
+        sub_cluster = torch.where(member, sub.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
         res = fit_clusters(
-            state.keys, state.values, state.log_sizes, sub_cluster, queries,
-            merged.keys.gather(2, pick), merged.values.gather(2, pick), merged.log_sizes.gather(2, src),
+            state.keys, state.values, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
             scale=scale, power=self.power, ridge=self.ridge, key=self.key,
         )
-        back = rank.clamp(min=0)  # [B, H, M] the compact index of each fitted slot
-        sel = fit[..., None]
-        back_d = back[..., None].expand(B, H, M, state.head_dim)
-        keys = torch.where(sel, res.keys.gather(2, back_d).to(state.keys.dtype), merged.keys)
-        values = torch.where(sel, res.values.gather(2, back_d).to(state.values.dtype), merged.values)
-        log_sizes = torch.where(fit, res.bias.gather(2, back), merged.log_sizes)
-        return merged.replace(keys=keys, values=values, log_sizes=log_sizes.contiguous(), counts=counts)
+
+        def put(x: Tensor, fitted: Tensor) -> Tensor:  # the fitted rows into a copy of the merge's x
+            out = x.reshape(rows * M, -1).clone()
+            out.index_copy_(0, fit_rows, fitted.reshape(-1, out.shape[1]).index_select(0, at).to(x.dtype))
+            return out.view(x.shape)
+
+        return merged.replace(keys=put(merged.keys, res.keys), values=put(merged.values, res.values),
+                              log_sizes=put(merged.log_sizes, res.bias), counts=counts)
+
+
+# fit K clusters per head apart (index copies in and out) when COMPACT * K <= M, else fit all M in
+# place: the copies cost about as much as the [M, P] work they would save once K nears M / 2
+COMPACT = 1
+
+
+def _flat_index(index: Tensor, width: int) -> Tensor:
+    """[B, H, N] indices into rows of ``width`` -> [B * H * N] indices into the flat [B * H * width]."""
+    B, H, N = index.shape
+    return (torch.arange(B * H, device=index.device)[:, None] * width + index.reshape(B * H, N)).reshape(-1)
+
+
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _differs_from(keys: Tensor, other: Tensor) -> Tensor:
+    """[B, H, N] bool: slot n's key is not bitwise equal to slot other[n]'s (other: [B, H, N] long).
+    The XOR of the keys' bit patterns: exact, and far cheaper than a [B, H, N, D] bool reduction."""
+    B, H, N, D = keys.shape
+    bits = keys.reshape(B * H * N, D).view(_INT_OF[keys.element_size()])
+    x = torch.bitwise_xor(bits, bits.index_select(0, _flat_index(other, N)))
+    # a nonzero entry makes the row's max > 0 or its min < 0 (the sign bit alone: min < 0)
+    return ((x.amax(-1) != 0) | (x.amin(-1) != 0)).view(B, H, N)
 
 
 @dataclass(frozen=True)

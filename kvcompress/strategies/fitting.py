@@ -13,13 +13,20 @@ Per cluster, over the P reference queries of its KV head (R queries x G query he
   squares answer), the weight of query r being the cluster's share a_r = m_r / Z_r of that query's
   attention row raised to ``power`` (errors in a row's output scale with the share);
 * value: with the fitted mass m'_r, the row output is exact for query r when
-  v = rho_r o_r + (1 - rho_r) O_r (rho_r = m_r / m'_r, O_r the full row's output), an error of
-  a'_r (v - target_r) otherwise (a'_r the slot's share of the refitted row). The least-squares v
-  is the a'^power-weighted mean of those targets, i.e. a weighted mean of the members' values plus
-  a weighted mean of the rows' outputs: no [P, M, D] tensor is ever formed.
+  v = rho_r o_r + (1 - rho_r) O_r (rho_r = m_r / m'_r, O_r the full row's output). The value is the
+  weighted mean of those targets, query r weighing (m'_r / Z_r) ** power: the fitted slot's share
+  of the row (before the row's own change; normalised over the queries). With power = 1 this is
+  the first-order condition sum_r (m' v - sum_C e v - (m' - m) O_r) / Z_r = 0 and it separates:
+  v = (sum_i a_i v_i + sum_r (m'_r - m_r) O_r / Z_r) / sum_r m'_r / Z_r, with a_i = sum_r p_ir,
+  p_ir = e_ir / Z_r the attention slot i receives from query r. No [P, members] tensor is formed.
 * key (optional, ``key="attention"``): the members' keys weighted by the attention they receive
   from the weighted queries (the average gradient of the cluster's log-mass, which is the least-
-  squares slope for Gaussian-like queries), then beta refitted for it.
+  squares slope for Gaussian-like queries), then beta refitted for it; with power = 1 the weight of
+  member i is a_i (the queries' weights share_r cancel against its share of the cluster's mass).
+
+With power = 1 the member sums count every query (one matrix-vector product gives a_i); a query
+that does not see the cluster (see TINY) adds < TINY of a row to them. With another power the
+members' weights are formed per (cluster, query) from the seen queries only.
 
 Both fits shrink toward the proportional answer (mean value, beta = log sum exp(b)) with
 ``ridge`` pseudo-queries against the weights' effective number of queries, so a cluster no
@@ -60,22 +67,23 @@ class FitResult:
     n_eff: Tensor
 
 
-def _weights(share: Tensor, seen: Tensor, power: float) -> tuple[Tensor, Tensor]:
+def _weights(share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
     """Per-slot query weights share ** power, normalised over the queries.
 
-    share: [..., P] in [0, 1], seen: [..., P] bool (weight 0 where False)
+    share: [..., P] >= 0, exactly 0 for the queries that do not see the slot (weight 0)
     returns norm [..., P] (sums to 1, or 0 where no query sees the slot), n_eff = (sum w)^2 / sum w^2
-    (the effective number of queries, 0 if none); both invariant to the scale of w
+    (the effective number of queries, 0 if none), both invariant to the scale of w, and 1 / sum(w)
+    ([..., 1], 0 where no query sees the slot; with power 1, w = share)
     """
-    if power == 1.0:
-        w = torch.where(seen, share, 0.0)
-    else:  # relative to the largest share first: a high power would underflow small shares
-        top = torch.where(seen, share, 0.0).amax(-1, keepdim=True).clamp(min=TINY)
-        w = torch.where(seen, (share / top).pow(power), 0.0)
+    w = share
+    if power != 1.0:  # relative to the largest share first: a high power would underflow small shares
+        top = share.amax(-1, keepdim=True).clamp(min=TINY)
+        w = torch.where(share > 0, (share / top).pow(power), 0.0)
     total = w.sum(-1, keepdim=True)
-    norm = w.div_(total.clamp(min=TINY))  # in [0, 1]: its squares cannot underflow as w's might
-    n_eff = torch.where(total[..., 0] > 0, 1.0 / norm.square().sum(-1).clamp(min=TINY), 0.0)
-    return norm, n_eff
+    inv = torch.where(total > 0, total.clamp(min=TINY).reciprocal(), 0.0)
+    norm = w * inv  # in [0, 1]: its squares cannot underflow as w's might
+    n_eff = torch.where(total[..., 0] > 0, torch.linalg.vecdot(norm, norm).clamp(min=TINY).reciprocal(), 0.0)
+    return norm, n_eff, inv
 
 
 def _shrink(n_eff: Tensor, ridge: float) -> Tensor:
@@ -132,48 +140,68 @@ def fit_clusters(
     z = e.sum(2)  # [B, H, P], >= 1 (0: a row of padding only)
     e_flat = e.view(rows * N, P)
 
-    # flat cluster row of every slot; dropped slots and padding go to a dummy row per head
-    cl = torch.where(cluster >= 0, cluster, M)
-    flat = (torch.arange(rows, device=dev)[:, None] * (M + 1) + cl.reshape(rows, N)).reshape(-1)  # [B*H*N]
-    mass = e.new_zeros(rows * (M + 1), P).index_add_(0, flat, e_flat).view(B, H, M + 1, P)[:, :, :M]
-    seen = mass > TINY  # [B, H, M, P]
-    log_mass = mass.clamp(min=TINY).log_().add_(top)  # log m (used only where seen)
-    share = torch.div(mass, z.clamp(min=1.0)[:, :, None]).clamp_(max=1.0)  # m / Z, the cluster's share of the row
+    # flat cluster row of every slot; dropped slots and padding go to one dummy row at the end
+    flat = torch.where(cluster >= 0, cluster + torch.arange(rows, device=dev).view(B, H, 1) * M, rows * M).reshape(-1)
+    mass = e.new_zeros(rows * M + 1, P).index_add_(0, flat, e_flat)[: rows * M].view(B, H, M, P)
+    # a query that does not see a cluster (mass below TINY of its row's top) weighs exactly 0
+    # everywhere below, which is all the masking the fit needs
+    mass.masked_fill_(mass <= TINY, 0.0)
+    zc = z.clamp(min=1.0)
+    share = mass / zc[:, :, None]  # m / Z, the cluster's share of the row (0 where unseen)
 
     def member_mean(coef: Tensor, x: Tensor) -> Tensor:
         """sum_i (sum_r coef[cl(i), r] p_ir) x_i per cluster, p_ir = e_ir / mass_r the member's
         share of its cluster's mass: coef [B, H, M, P] (0 where unseen), x [B, H, N, E]."""
-        c = coef.new_zeros(B, H, M + 1, P)  # row M: the dummy cluster
-        torch.div(coef, mass.clamp(min=TINY), out=c[:, :, :M]).mul_(seen)
-        c = c.view(rows * (M + 1), P)
+        c = torch.cat([(coef / mass.clamp(min=TINY)).view(rows * M, P), coef.new_zeros(1, P)])  # last: dummy
         u = c.index_select(0, flat).mul_(e_flat).sum(-1, keepdim=True)  # [B*H*N, 1]
-        out = x.new_zeros(rows * (M + 1), x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
-        return out.view(B, H, M + 1, -1)[:, :, :M]
+        out = x.new_zeros(rows * M + 1, x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
+        return out[: rows * M].view(B, H, M, -1)
 
-    norm, n_eff = _weights(share, seen, power)  # [B, H, M, P], [B, H, M]
+    norm, n_eff, _ = _weights(share, power)  # [B, H, M, P], [B, H, M]
     alpha = _shrink(n_eff, ridge)  # [B, H, M]
+    # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
+    row_out = torch.matmul(e.transpose(-1, -2), v32).div_(zc[..., None])
+    separable = power == 1.0
+    if separable:
+        # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i,
+        # sum_i a_i v_i and sum_i a_i in one scatter of [keys | values | 1] * a
+        a = torch.einsum("bhnp,bhp->bhn", e, zc.reciprocal())[..., None]  # [B, H, N, 1]
+        parts = (k32, v32) if key == "attention" else (v32,)
+        x = e.new_empty(B, H, N, D * len(parts) + 1)
+        for j, part in enumerate(parts):
+            torch.mul(part, a, out=x[..., j * D:(j + 1) * D])
+        x[..., -1:] = a
+        x = x.view(rows * N, -1)
+        sums = x.new_zeros(rows * M + 1, x.shape[1]).index_add_(0, flat, x)[: rows * M].view(B, H, M, -1)
+        a_sum = sums[..., -1:]  # [B, H, M, 1], = sum_r share_r
     slot_keys = prior_keys.float()
     if key == "attention":
-        fitted = member_mean(norm, k32)
+        if separable:
+            fitted = sums[..., :D] * torch.where(a_sum > 0, a_sum.clamp(min=TINY).reciprocal(), 0.0)
+        else:
+            fitted = member_mean(norm, k32)
         # attention sees the key in the cache's dtype: fit the bias to that key
         slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
 
-    t0 = torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2))  # the merged slot's logit, bias aside
-    seen_f = seen.float()
-    y = log_mass.sub_(t0).mul_(seen_f)  # log m - q.k: the bias each query asks for (0 where unseen)
+    # log m - q.k: the bias each query asks for (finite where unseen, where its weight is 0)
+    y = mass.clamp(min=TINY).log_().add_(top).sub_(torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2)))
     beta_fit = torch.linalg.vecdot(norm, y)
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
 
-    # values: targets rho o_r + (1 - rho) O_r, weighted by the refitted shares a'_r ** power
-    rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO).mul_(seen_f).exp_()  # 1 where unseen
-    # the slot's share of the refitted row: m' = m / rho of Z' = Z - m + m', i.e.
-    # share / (rho (1 - share) + share); the denominator is >= min(rho, 1) > 0
-    one_minus_rho = torch.sub(1.0, rho)
-    share2 = share / torch.addcmul(rho, share, one_minus_rho)
-    norm2, n_eff2 = _weights(share2, seen, power)
+    # values: targets rho o_r + (1 - rho) O_r (rho = m / m'), query r weighing (m'_r / Z_r) ** power
+    # = (share / rho) ** power; 1 / rho = exp(beta - y), clipped
+    log_rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    norm2, n_eff2, inv2 = _weights(torch.neg(log_rho).exp_().mul_(share), power)
     alpha_v = _shrink(n_eff2, ridge)
-    # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
-    row_out = torch.matmul(e.transpose(-1, -2), v32) / z.clamp(min=1.0)[..., None]
-    value_fit = member_mean(norm2 * rho, v32).add_(torch.matmul(one_minus_rho.mul_(norm2), row_out))
+    if separable:
+        # norm2 rho = share / sum_r (share / rho): the member part is sum_i a_i v_i times 1 / that sum
+        own = sums[..., D:2 * D] if key == "attention" else sums[..., :D]
+        value_fit = own * inv2
+        weight_rows = norm2.sub_(share * inv2)  # norm2 (1 - rho)
+    else:
+        rho = log_rho.exp_()
+        value_fit = member_mean(norm2 * rho, v32)
+        weight_rows = norm2 * (1.0 - rho)
+    value_fit = value_fit.add_(torch.matmul(weight_rows, row_out))
     slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])
     return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff)
