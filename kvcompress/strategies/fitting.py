@@ -86,6 +86,53 @@ def _weights(share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
     return norm, n_eff, inv
 
 
+def log_mass_of(mass: Tensor, top: Tensor) -> Tensor:
+    """log m of every cluster and query (mass relative to the row's top, top added back; finite
+    where unseen: log TINY + top)."""
+    return mass.clamp(min=TINY).log_().add_(top)
+
+
+# key="fit": the key moves only within the reference queries' top KEY_RANK principal directions
+KEY_RANK = 8
+
+
+def _regress_keys(slot_keys: Tensor, qs: Tensor, log_mass: Tensor, norm: Tensor, n_eff: Tensor,
+                  ridge: float) -> Tensor:
+    """The key whose logit best follows the cluster's log-mass over the reference queries.
+
+    slot_keys: [B, H, M, D] starting keys (the attention-weighted ones); qs: [B, H, P, D] scaled
+    queries; log_mass, norm: [B, H, M, P] (norm: the queries' weights, 0 where unseen); n_eff [B, H, M].
+    Weighted least squares of log m_r - q_r.k on [phi_r, 1], phi_r the centred query's coordinates
+    in the head's top KEY_RANK principal directions V (shared by the head's clusters, so the
+    normal equations of every cluster are one [M, P] x [P, (r+1)^2] product); the key moves by
+    V c. The slopes c shrink toward 0 with ``ridge`` pseudo-queries (c's own variances as the
+    scale), so a cluster few queries see keeps its key; an ill-posed system keeps it too.
+    returns [B, H, M, D] float32
+    """
+    B, H, M, D = slot_keys.shape
+    P = qs.shape[2]
+    r = min(KEY_RANK, D, max(P - 1, 0))
+    if r == 0:
+        return slot_keys
+    centred = qs - qs.mean(2, keepdim=True)
+    basis = torch.linalg.svd(centred, full_matrices=False).Vh[..., :r, :]  # [B, H, r, D]
+    phi = torch.cat([torch.matmul(centred, basis.transpose(-1, -2)), qs.new_ones(B, H, P, 1)], -1)  # [B, H, P, r+1]
+    resid = log_mass - torch.matmul(slot_keys, qs.transpose(-1, -2))  # [B, H, M, P]
+    outer = (phi[..., :, None] * phi[..., None, :]).reshape(B, H, P, (r + 1) ** 2)
+    gram = torch.matmul(norm, outer).view(B, H, M, r + 1, r + 1)  # sum_r w phi phi^T
+    rhs = torch.matmul(norm * resid, phi)  # [B, H, M, r+1]
+    diag = torch.diagonal(gram, dim1=-2, dim2=-1)  # [B, H, M, r+1], a view
+    kappa = torch.where(n_eff > 0, ridge / n_eff.clamp(min=TINY), 0.0)[..., None]
+    # the slopes' ridge (not the intercept's), plus a jitter that keeps a flat direction solvable
+    reg = torch.cat([kappa * diag[..., :r] + 1e-6 * (diag[..., :r].mean(-1, keepdim=True) + 1e-12),
+                     diag.new_zeros(B, H, M, 1)], -1)
+    sol, info = torch.linalg.solve_ex(gram + torch.diag_embed(reg), rhs[..., None])
+    slopes = sol[..., :r, 0]
+    ok = (info == 0) & (n_eff > 0) & torch.isfinite(slopes).all(-1)
+    slopes = torch.where(ok[..., None], slopes, 0.0)
+    return slot_keys + torch.matmul(slopes, basis)
+
+
 def _shrink(n_eff: Tensor, ridge: float) -> Tensor:
     """Share of the prior in a ridge fit with ``ridge`` pseudo-queries: ridge / (n_eff + ridge)."""
     if ridge == 0:
@@ -145,7 +192,7 @@ def fit_clusters(
     mass = e.new_zeros(rows * M + 1, P).index_add_(0, flat, e_flat)[: rows * M].view(B, H, M, P)
     # a query that does not see a cluster (mass below TINY of its row's top) weighs exactly 0
     # everywhere below, which is all the masking the fit needs
-    mass.masked_fill_(mass <= TINY, 0.0)
+    torch.nn.functional.threshold_(mass, TINY, 0.0)
     zc = z.clamp(min=1.0)
     share = mass / zc[:, :, None]  # m / Z, the cluster's share of the row (0 where unseen)
 
@@ -157,51 +204,47 @@ def fit_clusters(
         out = x.new_zeros(rows * M + 1, x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
         return out[: rows * M].view(B, H, M, -1)
 
-    norm, n_eff, _ = _weights(share, power)  # [B, H, M, P], [B, H, M]
+    norm, n_eff, inv = _weights(share, power)  # [B, H, M, P], [B, H, M], [B, H, M, 1]
     alpha = _shrink(n_eff, ridge)  # [B, H, M]
     # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
     row_out = torch.matmul(e.transpose(-1, -2), v32).div_(zc[..., None])
     separable = power == 1.0
     if separable:
-        # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i,
-        # sum_i a_i v_i and sum_i a_i in one scatter of [keys | values | 1] * a
+        # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
+        # and sum_i a_i v_i in one scatter of [keys | values] * a (sum_i a_i = sum_r share_r)
         a = torch.einsum("bhnp,bhp->bhn", e, zc.reciprocal())[..., None]  # [B, H, N, 1]
-        parts = (k32, v32) if key == "attention" else (v32,)
-        x = e.new_empty(B, H, N, D * len(parts) + 1)
+        parts = (k32, v32) if key != "mean" else (v32,)
+        x = e.new_empty(B, H, N, D * len(parts))
         for j, part in enumerate(parts):
             torch.mul(part, a, out=x[..., j * D:(j + 1) * D])
-        x[..., -1:] = a
         x = x.view(rows * N, -1)
         sums = x.new_zeros(rows * M + 1, x.shape[1]).index_add_(0, flat, x)[: rows * M].view(B, H, M, -1)
-        a_sum = sums[..., -1:]  # [B, H, M, 1], = sum_r share_r
     slot_keys = prior_keys.float()
-    if key == "attention":
-        if separable:
-            fitted = sums[..., :D] * torch.where(a_sum > 0, a_sum.clamp(min=TINY).reciprocal(), 0.0)
-        else:
-            fitted = member_mean(norm, k32)
+    if key != "mean":
+        fitted = sums[..., :D] * inv if separable else member_mean(norm, k32)
+        slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None])
+        if key == "fit":
+            slot_keys = _regress_keys(slot_keys, queries.float() * scale, log_mass_of(mass, top), norm, n_eff, ridge)
         # attention sees the key in the cache's dtype: fit the bias to that key
-        slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
+        slot_keys = slot_keys.to(keys.dtype).float()
 
     # log m - q.k: the bias each query asks for (finite where unseen, where its weight is 0)
-    y = mass.clamp(min=TINY).log_().add_(top).sub_(torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2)))
+    y = log_mass_of(mass, top).sub_(torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2)))
     beta_fit = torch.linalg.vecdot(norm, y)
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
 
-    # values: targets rho o_r + (1 - rho) O_r (rho = m / m'), query r weighing (m'_r / Z_r) ** power
-    # = (share / rho) ** power; 1 / rho = exp(beta - y), clipped
-    log_rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    norm2, n_eff2, inv2 = _weights(torch.neg(log_rho).exp_().mul_(share), power)
+    # values: targets rho o_r + (1 - rho) O_r (rho = m / m' = exp(y - beta), clipped), query r
+    # weighing (m'_r / Z_r) ** power = (share / rho) ** power
+    rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp_()
+    fitted_share = share / rho  # m' / Z (0 where unseen)
+    norm2, n_eff2, inv2 = _weights(fitted_share, power)
     alpha_v = _shrink(n_eff2, ridge)
     if separable:
-        # norm2 rho = share / sum_r (share / rho): the member part is sum_i a_i v_i times 1 / that sum
-        own = sums[..., D:2 * D] if key == "attention" else sums[..., :D]
-        value_fit = own * inv2
-        weight_rows = norm2.sub_(share * inv2)  # norm2 (1 - rho)
+        # norm2 rho = share inv2 and norm2 (1 - rho) = (m' - m) / Z inv2:
+        # v = (sum_i a_i v_i + sum_r (m'_r - m_r) / Z_r O_r) / sum_r m'_r / Z_r
+        own = sums[..., D:] if key != "mean" else sums
+        value_fit = torch.matmul(fitted_share.sub_(share), row_out).add_(own).mul_(inv2)
     else:
-        rho = log_rho.exp_()
-        value_fit = member_mean(norm2 * rho, v32)
-        weight_rows = norm2 * (1.0 - rho)
-    value_fit = value_fit.add_(torch.matmul(weight_rows, row_out))
+        value_fit = member_mean(norm2 * rho, v32).add_(torch.matmul(norm2 * (1.0 - rho), row_out))
     slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])
     return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff)
