@@ -240,8 +240,8 @@ def test_never_nan_or_inf(dtype, case):
     plan = torch.where(base.valid, parent, -1)
     if case == "padding":
         plan[..., 8:12] = 8  # a cluster that starts after the padding
-    for key in ("mean", "attention"):
-        out = fitted(key=key)(base, plan)
+    for key, power in (("mean", 1.0), ("attention", 1.0), ("attention", 2.0)):
+        out = fitted(key=key, power=power)(base, plan)
         assert out.keys.dtype == dtype and out.values.dtype == dtype
         assert bool(torch.isfinite(out.keys).all() and torch.isfinite(out.values).all())
         ls = out.log_sizes

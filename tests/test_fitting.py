@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CORE_SETTINGS
-from kvcompress.strategies.fitting import KEY_RANK, MAX_LOG_RATIO, TINY, fit_clusters
+from kvcompress.strategies.fitted import _differs_from
+from kvcompress.strategies.fitting import MAX_LOG_RATIO, TINY, fit_clusters
 
 
 def _weights(share: torch.Tensor, seen: torch.Tensor, power: float):
@@ -61,31 +62,13 @@ def slow_fit(keys, values, bias, cluster, queries, prior_keys, prior_values, pri
                 # every query (seen or not); otherwise sum_r norm_r p_ir over the seen queries
                 received = (e[:, member] / z.clamp(min=1.0)[:, None]).sum(0)  # [|C|]
                 slot_key = prior_keys[b, h, c].double()
-                if key in ("attention", "fit"):
+                if key == "attention":
                     if power == 1.0:
                         total = float(received.sum())
                         fitted = received @ k[member] / total if total > 0 else torch.zeros(D, dtype=torch.float64)
                     else:
                         fitted = (norm[:, None] * p).sum(0) @ k[member]
-                    slot_key = torch.lerp(fitted, slot_key, alpha)
-                if key == "fit" and n_eff > 0:
-                    # weighted ridge least squares of log m - q.k on the query's coordinates in the
-                    # head's top principal directions (the basis as the library computes it) and 1
-                    qs = queries[b, h].float() * scale
-                    centred = qs - qs.mean(0, keepdim=True)
-                    r = min(KEY_RANK, D, P - 1)
-                    if r > 0:
-                        basis = torch.linalg.svd(centred, full_matrices=False).Vh[:r].double()
-                        phi = torch.cat([centred.double() @ basis.T, torch.ones(P, 1, dtype=torch.float64)], 1)
-                        resid = mass.clamp(min=TINY).log() + top[:, 0] - qs.double() @ slot_key
-                        gram = phi.T @ (norm[:, None] * phi)
-                        ridge_diag = torch.diagonal(gram).clone()
-                        ridge_diag[:r] = ridge / n_eff * ridge_diag[:r] + 1e-6 * (ridge_diag[:r].mean() + 1e-12)
-                        ridge_diag[r] = 0.0
-                        slopes = torch.linalg.solve(gram + torch.diag(ridge_diag), phi.T @ (norm * resid))[:r]
-                        slot_key = slot_key + slopes @ basis
-                if key in ("attention", "fit"):
-                    slot_key = slot_key.to(keys.dtype).double()
+                    slot_key = torch.lerp(fitted, slot_key, alpha).to(keys.dtype).double()
                 y = torch.where(seen, mass.clamp(min=TINY).log() + top[:, 0] - q @ slot_key * scale, 0.0)
                 beta = (1 - alpha) * float((norm * y).sum()) + alpha * float(prior_bias[b, h, c])
                 rho = torch.where(seen, (y - beta).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp(), 1.0)
@@ -131,13 +114,11 @@ def _case(seed, B, H, N, M, D, P, pad, faint):
 @given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(2, 40),
        M=st.integers(1, 8), D=st.sampled_from([2, 4, 8]), P=st.integers(1, 12), pad=st.integers(0, 3),
        faint=st.booleans(), power=st.sampled_from([1.0, 2.0]), ridge=st.sampled_from([0.0, 1.0, 4.0]),
-       key=st.sampled_from(["mean", "attention", "fit"]))
+       key=st.sampled_from(["mean", "attention"]))
 @settings(CORE_SETTINGS, max_examples=80)
 def test_fit_clusters_equals_the_slow_per_cluster_loop(seed, B, H, N, M, D, P, pad, faint, power, ridge, key):
     """The vectorised fit equals the loop over heads and clusters (float64) to 2e-4 relative."""
     pad = min(pad, N - 1)
-    if key == "fit":  # a least-squares key without a ridge is as ill-posed as its query set
-        ridge = max(ridge, 1.0)
     args = _case(seed, B, H, N, M, D, P, pad, faint)
     scale = 1 / math.sqrt(D)
     got = fit_clusters(*args, scale=scale, power=power, ridge=ridge, key=key)
@@ -149,3 +130,30 @@ def test_fit_clusters_equals_the_slow_per_cluster_loop(seed, B, H, N, M, D, P, p
         err = float(_top((got_x.double() - want_x).abs()[present]))
         assert err <= 2e-4 * (1 + float(_top(want_x[present].abs()))), err
     assert bool(torch.isfinite(got.keys).all() and torch.isfinite(got.values).all() and torch.isfinite(got.bias).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@given(seed=st.integers(0, 10_000))
+@settings(CORE_SETTINGS, max_examples=20)
+def test_identical_keys_are_found_bit_for_bit(dtype, seed):
+    """The XOR test says "differs" exactly when some bit of the key differs: copies are equal;
+    a sign flip (x vs -x, 0.0 vs -0.0) or one changed element differ."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, N, D = 2, 2, 12, 6
+    keys = torch.randn(B, H, N, D, generator=g).to(dtype)
+    other = torch.randint(0, N, (B, H, N), generator=g)
+    src = keys.gather(2, other[..., None].expand(B, H, N, D))
+    kind = torch.randint(0, 4, (B, H, N), generator=g)  # 0: own key, 1: copy, 2: sign flip, 3: one element
+    keys = torch.where((kind == 1)[..., None], src, keys)
+    keys = torch.where((kind == 2)[..., None], -src, keys)
+    bumped = src.clone()
+    bumped[..., 0] = torch.where(bumped[..., 0] == 0, 1.0, bumped[..., 0] * 2).to(dtype)
+    keys = torch.where((kind == 3)[..., None], bumped, keys)
+    keys[0, 0, 0] = 0.0
+    keys[0, 0, 1] = -0.0 * torch.ones(D, dtype=dtype)
+    other[0, 0, 1] = 0
+    rep = keys.gather(2, other[..., None].expand(B, H, N, D))
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[keys.element_size()]
+    want = (keys.view(ints) != rep.view(ints)).any(-1)
+    assert torch.equal(_differs_from(keys, other), want)
+    assert bool(_differs_from(keys, other)[0, 0, 1])  # -0.0 against 0.0: a different bit pattern

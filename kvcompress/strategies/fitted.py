@@ -55,7 +55,7 @@ _HOW = {
                             "prefill's end for a pipeline whose needs ask for a model pass, as this "
                             "merger's do with queries='reconstruction' or 'both'",
 }
-KEY_MODES = ("mean", "attention", "fit")
+KEY_MODES = ("mean", "attention")
 ROUND_MODES = ("once", "each", "each+once")
 
 

@@ -92,47 +92,6 @@ def log_mass_of(mass: Tensor, top: Tensor) -> Tensor:
     return mass.clamp(min=TINY).log_().add_(top)
 
 
-# key="fit": the key moves only within the reference queries' top KEY_RANK principal directions
-KEY_RANK = 8
-
-
-def _regress_keys(slot_keys: Tensor, qs: Tensor, log_mass: Tensor, norm: Tensor, n_eff: Tensor,
-                  ridge: float) -> Tensor:
-    """The key whose logit best follows the cluster's log-mass over the reference queries.
-
-    slot_keys: [B, H, M, D] starting keys (the attention-weighted ones); qs: [B, H, P, D] scaled
-    queries; log_mass, norm: [B, H, M, P] (norm: the queries' weights, 0 where unseen); n_eff [B, H, M].
-    Weighted least squares of log m_r - q_r.k on [phi_r, 1], phi_r the centred query's coordinates
-    in the head's top KEY_RANK principal directions V (shared by the head's clusters, so the
-    normal equations of every cluster are one [M, P] x [P, (r+1)^2] product); the key moves by
-    V c. The slopes c shrink toward 0 with ``ridge`` pseudo-queries (c's own variances as the
-    scale), so a cluster few queries see keeps its key; an ill-posed system keeps it too.
-    returns [B, H, M, D] float32
-    """
-    B, H, M, D = slot_keys.shape
-    P = qs.shape[2]
-    r = min(KEY_RANK, D, max(P - 1, 0))
-    if r == 0:
-        return slot_keys
-    centred = qs - qs.mean(2, keepdim=True)
-    basis = torch.linalg.svd(centred, full_matrices=False).Vh[..., :r, :]  # [B, H, r, D]
-    phi = torch.cat([torch.matmul(centred, basis.transpose(-1, -2)), qs.new_ones(B, H, P, 1)], -1)  # [B, H, P, r+1]
-    resid = log_mass - torch.matmul(slot_keys, qs.transpose(-1, -2))  # [B, H, M, P]
-    outer = (phi[..., :, None] * phi[..., None, :]).reshape(B, H, P, (r + 1) ** 2)
-    gram = torch.matmul(norm, outer).view(B, H, M, r + 1, r + 1)  # sum_r w phi phi^T
-    rhs = torch.matmul(norm * resid, phi)  # [B, H, M, r+1]
-    diag = torch.diagonal(gram, dim1=-2, dim2=-1)  # [B, H, M, r+1], a view
-    kappa = torch.where(n_eff > 0, ridge / n_eff.clamp(min=TINY), 0.0)[..., None]
-    # the slopes' ridge (not the intercept's), plus a jitter that keeps a flat direction solvable
-    reg = torch.cat([kappa * diag[..., :r] + 1e-6 * (diag[..., :r].mean(-1, keepdim=True) + 1e-12),
-                     diag.new_zeros(B, H, M, 1)], -1)
-    sol, info = torch.linalg.solve_ex(gram + torch.diag_embed(reg), rhs[..., None])
-    slopes = sol[..., :r, 0]
-    ok = (info == 0) & (n_eff > 0) & torch.isfinite(slopes).all(-1)
-    slopes = torch.where(ok[..., None], slopes, 0.0)
-    return slot_keys + torch.matmul(slopes, basis)
-
-
 def _shrink(n_eff: Tensor, ridge: float) -> Tensor:
     """Share of the prior in a ridge fit with ``ridge`` pseudo-queries: ridge / (n_eff + ridge)."""
     if ridge == 0:
@@ -222,11 +181,8 @@ def fit_clusters(
     slot_keys = prior_keys.float()
     if key != "mean":
         fitted = sums[..., :D] * inv if separable else member_mean(norm, k32)
-        slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None])
-        if key == "fit":
-            slot_keys = _regress_keys(slot_keys, queries.float() * scale, log_mass_of(mass, top), norm, n_eff, ridge)
         # attention sees the key in the cache's dtype: fit the bias to that key
-        slot_keys = slot_keys.to(keys.dtype).float()
+        slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
 
     # log m - q.k: the bias each query asks for (finite where unseen, where its weight is 0)
     y = log_mass_of(mass, top).sub_(torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2)))
