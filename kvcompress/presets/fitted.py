@@ -3,11 +3,14 @@
 Each is the named preset with the ``fitted`` merger: the clusters are the method's own; only the
 merged slots' key, value and attention bias differ. They are fitted to the layer's last queries
 (``queries="window"``: 32, the ``-safe`` presets' own query window, so their guards see the same
-queries as without the fit; 32 rather than 64 cuts the fit from ~4.5% to 2.4-3.0% of an 8k
-prefill at a small loss of KL, results/issue14-r and issue14-cost), which the cache keeps anyway; measured on
+queries as without the fit; 32 rather than 64 halves the fit's cost at a small loss of KL,
+results/issue14-r; fitting once costs 1.6-2.05% of an 8k prefill, results/issue14-cost/
+cost-8k-s6-final.json), which the cache keeps anyway; measured on
 SmolLM2 they predict the queries that follow far better than queries strided over the prefill
 (docs/mergers.md). ``kvzip-csm-fitted`` fits to the reconstruction pass's queries, which its
-importance guard runs anyway. The SemantiCache variant uses fixed 64-token chunks (delimiter
+importance guard runs anyway. KL against the mean-merger twins (SmolLM2, PG / pydoc, one run,
+results/issue14-targets/s6): -33% to -53% at keep 0.5, -8% to -30% at keep 0.25 (the guarded
+presets' 11-18-token clusters cut least). The SemantiCache variant uses fixed 64-token chunks (delimiter
 anchors alone floor the keep ratio near 0.3, as for semanticache-safe).
 """
 

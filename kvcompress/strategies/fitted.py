@@ -193,22 +193,18 @@ class FittedMerger:
         fit_rows = fit.reshape(-1).nonzero().squeeze(1)  # [F] fitted slots, flat over [B * H * M]
         rank = fit.long().cumsum(-1) - 1  # [B, H, M]: a fitted slot's index among its head's
         K = int(rank[..., -1].max()) + 1
-        prior_k, prior_v, prior_b = merged.keys, merged.values, merged.log_sizes
-        if COMPACT * K <= M:
-            # few clusters to fit (a mildly compressed cache is mostly singletons): fit K per
-            # head, renumbered 0..K-1; heads with fewer have empty rows (no members, never read)
-            sub = torch.where(fit, rank, -1)
-            at = (fit_rows // M) * K + rank.reshape(-1).index_select(0, fit_rows)  # [F] into [B * H * K]
+        # fit only the K clusters per head that need it, renumbered 0..K-1 (heads with fewer have
+        # empty rows: no members, never read); index copies in and out, no [B, H, M, D] gathers
+        sub = torch.where(fit, rank, -1)
+        at = (fit_rows // M) * K + rank.reshape(-1).index_select(0, fit_rows)  # [F] into [B * H * K]
 
-            def compact(x: Tensor, shape: tuple) -> Tensor:
-                flat = x.reshape(rows * M, -1)
-                out = flat.new_zeros(rows * K, flat.shape[1]).index_copy_(0, at, flat.index_select(0, fit_rows))
-                return out.view(shape)
+        def compact(x: Tensor, shape: tuple) -> Tensor:
+            flat = x.reshape(rows * M, -1)
+            out = flat.new_zeros(rows * K, flat.shape[1]).index_copy_(0, at, flat.index_select(0, fit_rows))
+            return out.view(shape)
 
-            prior_k, prior_v = compact(prior_k, (B, H, K, D)), compact(prior_v, (B, H, K, D))
-            prior_b = compact(prior_b, (B, H, K))
-        else:  # most slots are fitted clusters: fit in place, the others' results are not read
-            sub, at = torch.where(fit, torch.arange(M, device=dev), -1), fit_rows
+        prior_k, prior_v = compact(merged.keys, (B, H, K, D)), compact(merged.values, (B, H, K, D))
+        prior_b = compact(merged.log_sizes, (B, H, K))
         # members of clusters not fitted still count in the attention rows (cluster -1)
         sub_cluster = torch.where(member, sub.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
         res = fit_clusters(
@@ -223,11 +219,6 @@ class FittedMerger:
 
         return merged.replace(keys=put(merged.keys, res.keys), values=put(merged.values, res.values),
                               log_sizes=put(merged.log_sizes, res.bias), counts=counts)
-
-
-# fit K clusters per head apart (index copies in and out) when COMPACT * K <= M, else fit all M in
-# place: the copies cost about as much as the [M, P] work they would save once K nears M / 2
-COMPACT = 1
 
 
 def _flat_index(index: Tensor, width: int) -> Tensor:

@@ -60,13 +60,17 @@ for preset in a.presets.split(","):
                 for l in layers:
                     cfg = get_preset(preset, keep_ratio=budget)
                     R = a.R
+                    oracle = False
                     if vparams is not None:
                         vp = dict(vparams)
                         R = vp.pop("_R", a.R)
+                        oracle = vp.pop("_oracle", False)
                         cfg = cfg.replace(merger=StrategySpec("fitted", vp))
                     pipe = Pipeline(cfg)
                     st = KVState.from_raw(K[l, :, :P0][None], V[l, :, :P0][None], token_ids=ids[None, :P0], vocab=vocab)
                     ref = Q[l][:, stride_idx(P0, R)][None]
+                    if oracle:  # the continuation's own queries (what the fit would want to know)
+                        ref = Q[l][:, P0:-1][None]
                     extras = {"reference_queries": ref, "queries": Q[l][:, P0 - a.query_window:P0][None],
                               "reference_positions": stride_idx(P0, R)}
                     st = st.replace(extras=extras)
