@@ -175,7 +175,7 @@ class BucketSimilarity:
             self._cols_for = C
         sorted_tau, perm = tau.sort(dim=1, stable=True)  # [S, C]
         out = self.buffer("absorbed", (L, S, C, W), dtype)  # the caller is done with it before the next pass
-        step = max(1, _SLOT_BLOCK // max(1, S * L))  # bounds the [b, S, L] slot indices
+        step = max(1, ADJ_LIMIT // max(1, S * L * 8))  # bounds the [b, S, L] slot indices
         for p0 in range(0, P, step):
             p1 = min(p0 + step, P)
             vals = self._paired[p0:p1]  # [b, S, L]
@@ -201,9 +201,6 @@ class BucketSimilarity:
         return out
 
 
-# paired cosines [b, S, L] per block of _absorbed_dense: 1 MB of float32 stays in L2 through the
-# fifteen threshold comparisons and the scatter (SmolLM2 8k, fixed-64 chunks: ~10% less than one block)
-_SLOT_BLOCK = 1 << 18
 _COMPARE_LIMIT = 64  # thresholds per segment up to which comparisons beat a binary search
 
 
@@ -243,7 +240,24 @@ def _count_below(vals: Tensor, sorted_tau: Tensor, buffer=None) -> Tensor:
 
 
 def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
-    """The GSC walk for C thresholds: [C, S, L] bool, True at seeds.
+    """The GSC walk for C thresholds: [C, S, L] bool, True at seeds (``seed_words`` unpacked)."""
+    S, L = sims.mask.shape
+    width, _, _ = sims.words
+    return _unpack(seed_words(sims, tau), width, L).transpose(0, 1)
+
+
+_POPCOUNT = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.uint8)
+
+
+def popcount(words: Tensor) -> Tensor:
+    """[..., W] integer bitsets -> [...] long: bits set (a byte table, any word width)."""
+    table = _POPCOUNT.to(words.device)
+    as_bytes = words.contiguous().view(torch.uint8).reshape(*words.shape[:-1], -1)
+    return table[as_bytes.long()].sum(-1, dtype=torch.long)
+
+
+def seed_words(sims: BucketSimilarity, tau: Tensor) -> Tensor:
+    """The GSC walk for C thresholds: [S, C, W] bitsets of the seeds (real members only).
 
     tau: [C, S] threshold per segment. A slot stays unassigned until an earlier seed absorbs it,
     and seeds are never absorbed, so the slots still unassigned after the walk are the seeds. The
@@ -265,7 +279,7 @@ def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
             # [S, C, 1]: 0 where member i is (still) a seed, all ones where it is not
             not_seed = torch.bitwise_right_shift(words[w], shifts[bit]).bitwise_and_(one).sub_(one)
             unassigned.bitwise_and_(torch.bitwise_or(rows[r], not_seed))
-    return (_unpack(unassigned, width, L) & sims.mask[:, None]).transpose(0, 1)
+    return unassigned  # padding bits start clear and are only ever cleared
 
 
 def _rank_dtype(n: int) -> torch.dtype:
@@ -395,8 +409,13 @@ class GreedySeedClustering:
         # each segment collapses into its first member); its seeds are kept, not recomputed
         lo = torch.full((R,), TAU_MERGE_ALL, device=device)
         hi = no_merge.clone()
-        lo_seeds = [torch.zeros_like(b.mask).index_fill_(1, torch.zeros(1, dtype=torch.long, device=device), True)
-                    for b in layout.buckets]
+        # seeds kept as bitsets [S, W] (counted by popcount, unpacked once at the end): the low
+        # end's are each segment's first member
+        lo_words = []
+        for b, sim in zip(layout.buckets, sims):
+            width, dtype, W = sim.words
+            first = torch.zeros(b.mask.shape[0], W, dtype=dtype, device=device)
+            lo_words.append(first.index_fill_(1, torch.zeros(1, dtype=torch.long, device=device), 1))
         in_buckets = torch.zeros(R, dtype=torch.long, device=device)
         for bucket in layout.buckets:
             in_buckets.index_add_(0, bucket.rows, bucket.mask.sum(1))
@@ -407,16 +426,17 @@ class GreedySeedClustering:
         for _ in range(self.search_passes):
             cands = lo[None] + (hi - lo)[None] * frac  # [C, R], increasing
             counts = outside[None, :].expand(C, R).clone()
-            all_seeds = [bucket_seeds(s, cands[:, b.rows]) for s, b in zip(sims, layout.buckets)]  # [C, S, L]
-            for bucket, seeds in zip(layout.buckets, all_seeds):
-                counts.index_add_(1, bucket.rows, seeds.sum(-1))
+            all_words = [seed_words(s, cands[:, b.rows]) for s, b in zip(sims, layout.buckets)]  # [S, C, W]
+            for bucket, words in zip(layout.buckets, all_words):
+                counts.index_add_(1, bucket.rows, popcount(words).t())
             # highest feasible candidate per row (counts need not be monotone in tau), -1 if none
             idx = torch.where(counts <= target_rows[None], order, -1).max(0).values  # [R]
             better = idx >= 0
             pick = idx.clamp(min=0)
             hi = torch.where(idx + 1 < C, cands.gather(0, (idx + 1).clamp(max=C - 1)[None])[0], hi)
             lo = torch.where(better, cands.gather(0, pick[None])[0], lo)
-            lo_seeds = [torch.where(better[b.rows, None], seeds[pick[b.rows], torch.arange(len(b.rows), device=device)],
-                                    prev) for b, seeds, prev in zip(layout.buckets, all_seeds, lo_seeds)]
-        chosen = [torch.where(fits[b.rows, None], b.mask, seeds) for b, seeds in zip(layout.buckets, lo_seeds)]
+            lo_words = [torch.where(better[b.rows, None], words[torch.arange(len(b.rows), device=device), pick[b.rows]],
+                                    prev) for b, words, prev in zip(layout.buckets, all_words, lo_words)]
+        chosen = [torch.where(fits[b.rows, None], b.mask, _unpack(words, s.words[0], b.length) & b.mask)
+                  for b, s, words in zip(layout.buckets, sims, lo_words)]
         return torch.where(fits, no_merge, lo), chosen
