@@ -144,7 +144,14 @@ def run_scaling(args) -> dict:
                         "head dim 128, 32 query heads)", "command": " ".join(sys.argv),
            "machine": describe_machine(), "keep_ratio": args.keep, "reps": args.reps}
     doc["presets"] = cost.scaling(configs_for(names, args.keep), args.lengths, reps=args.reps, ids_for=source.ids,
-                                  vocab=vocab, log=log)
+                                  vocab=vocab, log=log, reference=True)
+    ref = doc["reference"] = doc["presets"].pop(cost.REFERENCE)
+    ref["what"] = cost.reference_pass.__doc__.split("\n\n")[0].replace("\n", " ")
+    for rec in doc["presets"].values():  # how much steeper than the machine's own slope for linear work
+        rec["cpu_slope_over_reference"] = rec["cpu_slope"] - ref["cpu_slope"] + 1.0
+        rec["cpu_slope_min"] = cost.loglog_slope(args.lengths, [min(x) for x in rec["all_cpu_seconds"]])
+    ref["cpu_slope_min"] = cost.loglog_slope(args.lengths, [min(x) for x in ref["all_cpu_seconds"]])
+    doc["load_averages"] = "load_average in machine (start) and load_average_end"
     doc["load_average_end"] = load_average()
     return doc
 

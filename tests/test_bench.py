@@ -411,9 +411,11 @@ def test_cost_helpers_on_tiny_states():
         cpu = [r["compress_cpu_s"][name] for r in doc["rounds"]]
         assert all(math.isclose(s, c / 1.0) for s, c in zip(rec["cpu_shares"], cpu))
     assert "cpu_share_median" not in cost.cost_rounds(lambda: 2.0, {"h2o": configs["h2o"]}, states, 1)["presets"]["h2o"]
-    scal = cost.scaling({"centroidkv": configs["centroidkv"]}, [128, 256], reps=1, heads=2, head_dim=16, q_heads=4,
+    scal = cost.scaling({"centroidkv": configs["centroidkv"]}, [128, 256], reps=1, heads=2, head_dim=16, q_heads=4, reference=True,
                         window=8)
     assert len(scal["centroidkv"]["seconds"]) == 2 and math.isfinite(scal["centroidkv"]["slope"])
+    ref = scal[cost.REFERENCE]  # the linear pass timed beside it, same lengths and reps
+    assert len(ref["all_cpu_seconds"]) == 2 and all(len(x) == 1 for x in ref["all_cpu_seconds"])
 
 
 def _doc_commands(prefix: str) -> list[list[str]]:
