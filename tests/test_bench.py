@@ -494,3 +494,17 @@ def test_decode_share_refuses_bad_arguments_before_loading(argv, monkeypatch, ca
         share.main(argv)
     assert exit_.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_cost_ab_rejects_bad_arguments_before_any_work():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cost_ab", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "bench_cost_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    for argv in (["--modules", "kvcompress.strategies.d2o", "--presets", "no-such-preset"],
+                 ["--modules", "kvcompress.strategies.d2o", "--presets", "d2o", "--reps", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            ab.main(argv)
+        assert exc.value.code == 2
