@@ -8,9 +8,10 @@ How it is computed: a slot j is absorbed by the first seed i < j with cos(i, j) 
 seed itself when no earlier seed absorbs it. So the walk only has to find the seed set; the member
 -> seed map then follows without a loop. The walk runs over the position inside a chunk (at most
 the bucket length, never over tokens), for all chunks, heads and thresholds at once, and keeps
-each chunk's unassigned members as a bitset: a step is four ops on [S, C] words. The bitsets of
-"members a seed would absorb" come from each similarity row sorted once per call: the members
-above a threshold are a prefix of the sorted row, read from a table of prefix unions.
+each chunk's unassigned members as a bitset: a step is a few ops on [S, C] words. The bitsets of
+"members a seed would absorb" come from each cosine's slot among the C sorted thresholds (counted by
+comparisons), its member's bit added into that slot's word, and prefix sums over the slots; the
+seeds per threshold are counted by a popcount of their bitsets.
 
 Budget: with ``tau=None`` a per-head threshold is searched so that each head ends with at most
 its target slots; the highest feasible tau found (fewest merges) wins. The search evaluates
