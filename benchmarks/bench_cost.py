@@ -101,8 +101,35 @@ def run_cost(args) -> dict:
             wall, _ = cost.compression_seconds(cfg, snap.states[:1], warmup=False)
             doc["single_layer"][name] = {"one_layer_s": wall, "layers": len(snap.states),
                                          "note": "one layer, not warmed up; x layers / prefill for the share"}
+    if args.flop_bounds:
+        doc["flop_bounds"] = flop_bounds(model.config, args.length, args.keep, doc["rounds"])
     doc["load_average_end"] = load_average()
     return doc
+
+
+def flop_bounds(config, length: int, keep: float, rounds: list) -> dict:
+    """The all-pairs presets' products alone against this run's prefill (kvcompress.bench.flops)."""
+    from kvcompress.bench import flops
+    import statistics
+
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    pre = flops.prefill_flops(config, length)
+    wall = statistics.median(r["prefill_s"] for r in rounds)
+    cpu = statistics.median(r["prefill_cpu_s"] for r in rounds)
+    out = {"note": flops.__doc__.strip().split("\n\n")[0], "prefill_flops": pre,
+           "prefill_s_median": wall, "prefill_cpu_s_median": cpu,
+           "prefill_gflops_per_cpu_s": pre["total"] / cpu / 1e9}
+    for name, rec in (("d2o", flops.d2o_product(length, keep, heads=kv_heads, head_dim=head_dim, layers=layers)),
+                      ("semanticache-global", flops.all_pairs_product(length, heads=kv_heads, head_dim=head_dim,
+                                                                      layers=layers))):
+        rec["share_of_prefill_flops"] = rec["flops"] / pre["total"]
+        rec["share_of_prefill_cpu"] = rec["cpu_s"] / cpu
+        out[name] = rec
+        log(f"{name}: the product alone {rec['flops'] / 1e9:.0f} GFLOP = {rec['share_of_prefill_flops']:.2%} of the "
+            f"prefill's FLOPs; {rec['cpu_s']:.2f} s cpu = {rec['share_of_prefill_cpu']:.2%} of the prefill's cpu time")
+    return out
 
 
 def run_scaling(args) -> dict:
@@ -117,7 +144,14 @@ def run_scaling(args) -> dict:
                         "head dim 128, 32 query heads)", "command": " ".join(sys.argv),
            "machine": describe_machine(), "keep_ratio": args.keep, "reps": args.reps}
     doc["presets"] = cost.scaling(configs_for(names, args.keep), args.lengths, reps=args.reps, ids_for=source.ids,
-                                  vocab=vocab, log=log)
+                                  vocab=vocab, log=log, reference=True)
+    ref = doc["reference"] = doc["presets"].pop(cost.REFERENCE)
+    ref["what"] = cost.reference_pass.__doc__.split("\n\n")[0].replace("\n", " ")
+    for rec in doc["presets"].values():  # how much steeper than the machine's own slope for linear work
+        rec["cpu_slope_over_reference"] = rec["cpu_slope"] - ref["cpu_slope"] + 1.0
+        rec["cpu_slope_min"] = cost.loglog_slope(args.lengths, [min(x) for x in rec["all_cpu_seconds"]])
+    ref["cpu_slope_min"] = cost.loglog_slope(args.lengths, [min(x) for x in ref["all_cpu_seconds"]])
+    doc["load_averages"] = "load_average in machine (start) and load_average_end"
     doc["load_average_end"] = load_average()
     return doc
 
@@ -135,6 +169,8 @@ def parser() -> argparse.ArgumentParser:
                     help="with --presets all: leave out presets whose name contains one of these (e.g. fitted)")
     ap.add_argument("--reconstruction", type=int, default=1,
                     help="reconstruction passes timed (kvzip presets; 0: skip)")
+    ap.add_argument("--flop-bounds", type=int, default=1,
+                    help="time the all-pairs products (D2O, whole-head GSC) alone against the prefill (0: skip)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
     return ap

@@ -411,9 +411,11 @@ def test_cost_helpers_on_tiny_states():
         cpu = [r["compress_cpu_s"][name] for r in doc["rounds"]]
         assert all(math.isclose(s, c / 1.0) for s, c in zip(rec["cpu_shares"], cpu))
     assert "cpu_share_median" not in cost.cost_rounds(lambda: 2.0, {"h2o": configs["h2o"]}, states, 1)["presets"]["h2o"]
-    scal = cost.scaling({"centroidkv": configs["centroidkv"]}, [128, 256], reps=1, heads=2, head_dim=16, q_heads=4,
+    scal = cost.scaling({"centroidkv": configs["centroidkv"]}, [128, 256], reps=1, heads=2, head_dim=16, q_heads=4, reference=True,
                         window=8)
     assert len(scal["centroidkv"]["seconds"]) == 2 and math.isfinite(scal["centroidkv"]["slope"])
+    ref = scal[cost.REFERENCE]  # the linear pass timed beside it, same lengths and reps
+    assert len(ref["all_cpu_seconds"]) == 2 and all(len(x) == 1 for x in ref["all_cpu_seconds"])
 
 
 def _doc_commands(prefix: str) -> list[list[str]]:
@@ -492,3 +494,17 @@ def test_decode_share_refuses_bad_arguments_before_loading(argv, monkeypatch, ca
         share.main(argv)
     assert exit_.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_cost_ab_rejects_bad_arguments_before_any_work():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cost_ab", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "bench_cost_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    for argv in (["--modules", "kvcompress.strategies.d2o", "--presets", "no-such-preset"],
+                 ["--modules", "kvcompress.strategies.d2o", "--presets", "d2o", "--reps", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            ab.main(argv)
+        assert exc.value.code == 2

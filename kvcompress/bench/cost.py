@@ -166,27 +166,49 @@ def loglog_slope(lengths: Sequence[int], seconds: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float("nan")
 
 
+REFERENCE = "linear reference"  # scaling(): the name of the memory pass timed beside the presets
+
+
+def reference_pass(states: Sequence[KVState]) -> None:
+    """A pass of certainly linear cost over the states, moving memory as compression does (unit keys,
+    a copy of the values, one reduction): its slope against N is the machine's own (caches, page
+    faults, other processes), the floor a preset's slope is read against."""
+    for st in states:
+        kn = torch.nn.functional.normalize(st.keys.float(), dim=-1)
+        st.values.clone().add_(kn).sum()
+
+
 def scaling(configs: dict, lengths: Sequence[int], *, reps: int = 3, ids_for=None, vocab=None, log=None,
-            **shape) -> dict:
+            reference: bool = False, **shape) -> dict:
     """{name: {"lengths", "seconds" (median of reps), "slope", "cpu_seconds", "cpu_slope"}}; lengths
     interleaved per rep. The CPU-time slope is the steadier one on a loaded machine.
 
     ids_for: length -> [1, N] token ids (text-aware chunkers and guards need them), or None
+    reference: also time ``reference_pass`` interleaved with the presets, under the name REFERENCE
     """
     times = {name: {n: [] for n in lengths} for name in configs}
     cpus = {name: {n: [] for n in lengths} for name in configs}
     cached = {n: synthetic_states(n, token_ids=None if ids_for is None else ids_for(n), vocab=vocab, **shape)
               for n in lengths}
+    names = list(configs) + ([REFERENCE] if reference else [])
+    if reference:
+        times[REFERENCE], cpus[REFERENCE] = {n: [] for n in lengths}, {n: [] for n in lengths}
     for rep in range(reps):
         for n in lengths:
-            for name, cfg in configs.items():
-                wall, cpu = compression_seconds(cfg, cached[n], warmup=rep == 0)
+            for name in names:
+                if name == REFERENCE:
+                    with torch.inference_mode():
+                        wall, cpu = time.perf_counter(), time.process_time()
+                        reference_pass(cached[n])
+                        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                else:
+                    wall, cpu = compression_seconds(configs[name], cached[n], warmup=rep == 0)
                 times[name][n].append(wall)
                 cpus[name][n].append(cpu)
                 if log:
                     log(f"rep {rep} N={n} {name}: {wall * 1e3:.1f} ms (cpu {cpu * 1e3:.1f} ms)")
     out = {}
-    for name in configs:
+    for name in names:
         med = [statistics.median(times[name][n]) for n in lengths]
         cpu_med = [statistics.median(cpus[name][n]) for n in lengths]
         out[name] = {"lengths": list(lengths), "seconds": med, "all_seconds": [times[name][n] for n in lengths],

@@ -82,7 +82,9 @@ def match_edges(keys: Tensor, chunk_ids: Tensor, valid: Tensor, partition: str =
     Ties go to the earliest B slot of the chunk.
     """
     R, N, D = keys.shape
-    kn = F.normalize(keys.float(), dim=-1).reshape(R * N, D)
+    # rows are normalised after the gather: the same numbers (a row's norm is its own), for the
+    # clustered slots only, not every slot of every round's cache
+    flat = keys.float().reshape(R * N, D)
     layout = build_segments(torch.where(valid, chunk_ids, -1), min_length=2)
     rows, srcs, dsts, scores = [], [], [], []
     for bucket in layout.buckets:
@@ -94,8 +96,8 @@ def match_edges(keys: Tensor, chunk_ids: Tensor, valid: Tensor, partition: str =
         # padded B columns repeat the segment's first B: whichever copy wins, the edge points to
         # a real B slot, and no mask pass over the similarities is needed
         b_flat = torch.where(b_ok, b_flat, b_flat[:, :1])
-        ka = kn.index_select(0, a_flat.reshape(-1)).view(S, -1, D)  # index_select: a plain row copy,
-        kb = kn.index_select(0, b_flat.reshape(-1)).view(S, -1, D)  # several times faster than kn[idx]
+        ka = F.normalize(flat.index_select(0, a_flat.reshape(-1)), dim=-1).view(S, -1, D)  # index_select: a plain
+        kb = F.normalize(flat.index_select(0, b_flat.reshape(-1)), dim=-1).view(S, -1, D)  # row copy, faster than [idx]
         sim = torch.bmm(ka, kb.transpose(1, 2))  # [S, La, Lb]
         best, arg = sim.max(-1)  # [S, La]; first maximum on ties
         pick = a_ok.flatten().nonzero().squeeze(1)

@@ -8,9 +8,10 @@ How it is computed: a slot j is absorbed by the first seed i < j with cos(i, j) 
 seed itself when no earlier seed absorbs it. So the walk only has to find the seed set; the member
 -> seed map then follows without a loop. The walk runs over the position inside a chunk (at most
 the bucket length, never over tokens), for all chunks, heads and thresholds at once, and keeps
-each chunk's unassigned members as a bitset: a step is four ops on [S, C] words. The bitsets of
-"members a seed would absorb" come from each similarity row sorted once per call: the members
-above a threshold are a prefix of the sorted row, read from a table of prefix unions.
+each chunk's unassigned members as a bitset: a step is a few ops on [S, C] words. The bitsets of
+"members a seed would absorb" come from each cosine's slot among the C sorted thresholds (counted by
+comparisons), its member's bit added into that slot's word, and prefix sums over the slots; the
+seeds per threshold are counted by a popcount of their bitsets.
 
 Budget: with ``tau=None`` a per-head threshold is searched so that each head ends with at most
 its target slots; the highest feasible tau found (fewest merges) wins. The search evaluates
@@ -122,8 +123,9 @@ class BucketSimilarity:
         L = self.mask.shape[1]
         i = torch.arange(i0, i1, device=sims.device)[:, None, None]
         j = torch.arange(L, device=sims.device)[None, None, :]
-        later = (j > i) & self.mask[None]  # [b, S, L]
-        return sims.masked_fill_(~later, _EXCLUDED)
+        # two broadcast masks ([b, 1, L] not later, [1, S, L] padding) instead of one [b, S, L]
+        # mask and its negation: the same entries excluded, two fewer passes over the block
+        return sims.masked_fill_(j <= i, _EXCLUDED).masked_fill_(~self.mask[None], _EXCLUDED)
 
     def rows(self, i0: int, i1: int) -> Tensor:
         return self.dense[i0:i1] if self.dense is not None else self._compute(i0, i1)
@@ -191,10 +193,10 @@ class BucketSimilarity:
             # sums wrap like the words' bits: exact in two's complement)
             prefix = torch.cumsum(words.view(b, S, 2, C + 1, W), 3, dtype=dtype,
                                   out=self.buffer("prefix", (b, S, 2, C + 1, W), dtype))
-            above = torch.sub(prefix[:, :, :, C:], prefix[:, :, :, :C],
-                              out=self.buffer("above", (b, S, 2, C, W), dtype))  # [b, S, 2, C, W]
-            out[p0:p1] = above[:, :, 0]
-            out[L - p1:L - p0] = above[:, :, 1].flip(0)
+            torch.sub(prefix[:, :, 0, C:], prefix[:, :, 0, :C], out=out[p0:p1])  # rows p0..p1: in place
+            above = torch.sub(prefix[:, :, 1, C:], prefix[:, :, 1, :C],
+                              out=self.buffer("above", (b, S, C, W), dtype))  # [b, S, C, W] rows L-1-p
+            out[L - p1:L - p0] = above.flip(0)
         if not bool((perm == torch.arange(C, device=device)).all()):
             inverse = perm.argsort(1)  # [S, C]: sorted position of each original threshold
             out = out.gather(2, inverse[None, :, :, None].expand(L, S, C, W))
@@ -240,7 +242,24 @@ def _count_below(vals: Tensor, sorted_tau: Tensor, buffer=None) -> Tensor:
 
 
 def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
-    """The GSC walk for C thresholds: [C, S, L] bool, True at seeds.
+    """The GSC walk for C thresholds: [C, S, L] bool, True at seeds (``seed_words`` unpacked)."""
+    S, L = sims.mask.shape
+    width, _, _ = sims.words
+    return _unpack(seed_words(sims, tau), width, L).transpose(0, 1)
+
+
+_POPCOUNT = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.uint8)
+
+
+def popcount(words: Tensor) -> Tensor:
+    """[..., W] integer bitsets -> [...] long: bits set (a byte table, any word width)."""
+    table = _POPCOUNT.to(words.device)
+    as_bytes = words.contiguous().view(torch.uint8).reshape(*words.shape[:-1], -1)
+    return table[as_bytes.long()].sum(-1, dtype=torch.long)
+
+
+def seed_words(sims: BucketSimilarity, tau: Tensor) -> Tensor:
+    """The GSC walk for C thresholds: [S, C, W] bitsets of the seeds (real members only).
 
     tau: [C, S] threshold per segment. A slot stays unassigned until an earlier seed absorbs it,
     and seeds are never absorbed, so the slots still unassigned after the walk are the seeds. The
@@ -262,7 +281,7 @@ def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:
             # [S, C, 1]: 0 where member i is (still) a seed, all ones where it is not
             not_seed = torch.bitwise_right_shift(words[w], shifts[bit]).bitwise_and_(one).sub_(one)
             unassigned.bitwise_and_(torch.bitwise_or(rows[r], not_seed))
-    return (_unpack(unassigned, width, L) & sims.mask[:, None]).transpose(0, 1)
+    return unassigned  # padding bits start clear and are only ever cleared
 
 
 def _rank_dtype(n: int) -> torch.dtype:
@@ -392,8 +411,13 @@ class GreedySeedClustering:
         # each segment collapses into its first member); its seeds are kept, not recomputed
         lo = torch.full((R,), TAU_MERGE_ALL, device=device)
         hi = no_merge.clone()
-        lo_seeds = [torch.zeros_like(b.mask).index_fill_(1, torch.zeros(1, dtype=torch.long, device=device), True)
-                    for b in layout.buckets]
+        # seeds kept as bitsets [S, W] (counted by popcount, unpacked once at the end): the low
+        # end's are each segment's first member
+        lo_words = []
+        for b, sim in zip(layout.buckets, sims):
+            width, dtype, W = sim.words
+            first = torch.zeros(b.mask.shape[0], W, dtype=dtype, device=device)
+            lo_words.append(first.index_fill_(1, torch.zeros(1, dtype=torch.long, device=device), 1))
         in_buckets = torch.zeros(R, dtype=torch.long, device=device)
         for bucket in layout.buckets:
             in_buckets.index_add_(0, bucket.rows, bucket.mask.sum(1))
@@ -404,16 +428,17 @@ class GreedySeedClustering:
         for _ in range(self.search_passes):
             cands = lo[None] + (hi - lo)[None] * frac  # [C, R], increasing
             counts = outside[None, :].expand(C, R).clone()
-            all_seeds = [bucket_seeds(s, cands[:, b.rows]) for s, b in zip(sims, layout.buckets)]  # [C, S, L]
-            for bucket, seeds in zip(layout.buckets, all_seeds):
-                counts.index_add_(1, bucket.rows, seeds.sum(-1))
+            all_words = [seed_words(s, cands[:, b.rows]) for s, b in zip(sims, layout.buckets)]  # [S, C, W]
+            for bucket, words in zip(layout.buckets, all_words):
+                counts.index_add_(1, bucket.rows, popcount(words).t())
             # highest feasible candidate per row (counts need not be monotone in tau), -1 if none
             idx = torch.where(counts <= target_rows[None], order, -1).max(0).values  # [R]
             better = idx >= 0
             pick = idx.clamp(min=0)
             hi = torch.where(idx + 1 < C, cands.gather(0, (idx + 1).clamp(max=C - 1)[None])[0], hi)
             lo = torch.where(better, cands.gather(0, pick[None])[0], lo)
-            lo_seeds = [torch.where(better[b.rows, None], seeds[pick[b.rows], torch.arange(len(b.rows), device=device)],
-                                    prev) for b, seeds, prev in zip(layout.buckets, all_seeds, lo_seeds)]
-        chosen = [torch.where(fits[b.rows, None], b.mask, seeds) for b, seeds in zip(layout.buckets, lo_seeds)]
+            lo_words = [torch.where(better[b.rows, None], words[torch.arange(len(b.rows), device=device), pick[b.rows]],
+                                    prev) for b, words, prev in zip(layout.buckets, all_words, lo_words)]
+        chosen = [torch.where(fits[b.rows, None], b.mask, _unpack(words, s.words[0], b.length) & b.mask)
+                  for b, s, words in zip(layout.buckets, sims, lo_words)]
         return torch.where(fits, no_merge, lo), chosen
