@@ -46,8 +46,8 @@ TOKENS_SENTENCE_SHARE = 0.2
 MEDIAN_SENTENCE_SHARE = 0.3  # kvzip-d2o-median: sentences by their median token, then per-head tokens
 MEDIAN_TOKEN_SHARE = 0.3
 SURPRISAL_WEIGHT = 1.0  # sentence rank = rank(median importance) + w * rank(prefill surprisal) (dev, pydoc)
-HYBRID_SENTENCE_SHARE = 0.6  # kvzip-hybrid: sentences by importance + surprisal, shared by every head
-HYBRID_TOKEN_SHARE = 0.3  # kvzip-hybrid: per-head best tokens by reconstruction score (Ada-KV split)
+HYBRID_SENTENCE_SHARE = 0.8  # kvzip-hybrid: sentences by importance + surprisal, shared by every head (dev: 0.4-1.0 tried)
+HYBRID_TOKEN_SHARE = 0.15  # kvzip-hybrid: per-head best tokens by reconstruction score (Ada-KV split)
 SCORER = {"name": "reconstruction"}
 
 
