@@ -219,13 +219,13 @@ class ImportanceGuard:
             score = sentence_sum(importance, sid, num)
             if self.reduce == "mean":
                 score = score / sentence_sum(torch.ones_like(importance), sid, num).clamp(min=1)
-        # the allowance is what the budget leaves after the slots protected anyway (sinks, recent)
         if self.surprisal > 0:
             surprise = sentence_sum(surprisal_of(first, T).to(ids.device), sid, num)
             surprise = surprise / sentence_sum(torch.ones_like(importance), sid, num).clamp(min=1)
             eligible = lengths > 0
             # + a hair so that the lowest-ranked candidate still counts as a candidate (score > 0)
             score = ranks01(score, eligible) + self.surprisal * ranks01(surprise, eligible) + 1e-6 * eligible
+        # the allowance is what the budget leaves after the slots protected anyway (sinks, recent)
         room = (budget.to(ids.device) - (~free.bool()).sum(-1)).clamp(min=0)
         allowance = torch.floor(room.to(torch.float64) * self.share).long()
         chosen = select_sentences(score, lengths, allowance, lengths > 0)
