@@ -30,6 +30,8 @@ class Needs:
                        (cross-layer guards)
     model_pass:        the cache runs a model pass at the prefill's end before compressing
                        (e.g. a reconstruction scorer); implies ``all_layers``
+    surprisal:         that pass also records each context token's surprisal (-log p of the token
+                       as the pass predicts it) -> ``extras["surprisal"]`` [B, T]; implies ``model_pass``
     """
 
     query_window: int = 0
@@ -37,12 +39,15 @@ class Needs:
     attention: bool = False
     all_layers: bool = False
     model_pass: bool = False
+    surprisal: bool = False
 
     def __post_init__(self):
         check_int("query_window", self.query_window, 0)
         check_int("reference_queries", self.reference_queries, 0)
-        for name in ("attention", "all_layers", "model_pass"):
+        for name in ("attention", "all_layers", "model_pass", "surprisal"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        if self.surprisal and not self.model_pass:
+            object.__setattr__(self, "model_pass", True)
         if self.model_pass and not self.all_layers:
             object.__setattr__(self, "all_layers", True)
 
@@ -54,6 +59,7 @@ class Needs:
             attention=self.attention or other.attention,
             all_layers=self.all_layers or other.all_layers,
             model_pass=self.model_pass or other.model_pass,
+            surprisal=self.surprisal or other.surprisal,
         )
 
     @classmethod

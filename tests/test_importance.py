@@ -257,3 +257,83 @@ def test_median_reduce_ranks_a_sentence_by_its_middle_token():
     med = sentence_median(x, sid, 2)
     assert float(med[0, 0]) < float(med[0, 1])
     assert x[0, :3].mean() > x[0, 3:].mean()
+
+
+# ---------------------------------------------------------------------------- surprisal
+@given(st.integers(1, 3), st.integers(1, 12), st.integers(0, 10_000))
+@CORE_SETTINGS
+def test_ranks01_equals_a_loop(B, S, seed):
+    from kvcompress.strategies.importance import ranks01
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 4, (B, S), generator=g).float()  # ties on purpose
+    eligible = torch.rand(B, S, generator=g) < 0.7
+    got = ranks01(x, eligible)
+    for b in range(B):
+        idx = [i for i in range(S) if eligible[b, i]]
+        # ascending by value, ties by index: position / (n - 1)
+        order = sorted(idx, key=lambda i: (float(x[b, i]), i))
+        for i in range(S):
+            want = order.index(i) / max(1, len(idx) - 1) if i in idx else 0.0
+            assert abs(float(got[b, i]) - want) < 1e-6, (b, i, got[b], want)
+
+
+def _sentence_states(importance, surprisal=None):
+    """3 layers over 4 sentences of 4 tokens; per-token importance [16] in every head."""
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 1, 3, 0, 2, 5, 3, 4, 1, 2, 3]])
+    N = ids.shape[1]
+    states = []
+    for layer in range(3):
+        st_ = make_state(layer, B=1, H=2, N=N, D=4, vocab=VOCAB, with_membership=False)
+        extras = {} if surprisal is None else {"surprisal": surprisal[None]}
+        states.append(st_.replace(token_ids=ids, stats={"reconstruction": importance.expand(1, 2, N).clone()},
+                                  extras={**st_.extras, **extras}))
+    return states
+
+
+def test_surprisal_lifts_the_sentence_the_model_could_not_guess():
+    """Importance ties between sentences 1 and 2: importance alone takes the first; with the
+    prefill surprisal the surprising one (sentence 2) wins; a surprising sentence of low importance
+    does not beat one that is both."""
+    imp = torch.full((16,), 0.1)
+    imp[4:12] = 0.5
+    sur = torch.ones(16)
+    sur[8:12] = 5.0
+    already = torch.zeros(1, 16, dtype=torch.bool)
+    plain = ImportanceGuard(share=1.0, reduce="median")
+    plain.prepare(_sentence_states(imp, sur), torch.tensor([4]), already)
+    assert plain.chosen_tokens()[0].nonzero().flatten().tolist() == [4, 5, 6, 7]
+    guard = ImportanceGuard(share=1.0, reduce="median", surprisal=1.0)
+    assert guard.needs.surprisal and guard.needs.model_pass and not plain.needs.surprisal
+    guard.prepare(_sentence_states(imp, sur), torch.tensor([4]), already)
+    assert guard.chosen_tokens()[0].nonzero().flatten().tolist() == [8, 9, 10, 11]
+    sur2 = torch.ones(16)
+    sur2[12:16] = 3.0  # surprising but unimportant
+    sur2[8:12] = 2.0
+    guard.prepare(_sentence_states(imp, sur2), torch.tensor([4]), already)
+    assert guard.chosen_tokens()[0].nonzero().flatten().tolist() == [8, 9, 10, 11]
+
+
+def test_surprisal_guard_without_surprisal_is_a_clear_error():
+    imp = torch.rand(16)
+    with pytest.raises(ValueError, match="surprisal"):
+        ImportanceGuard(surprisal=1.0).prepare(_sentence_states(imp), torch.tensor([4]),
+                                               torch.zeros(1, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="surprisal"):
+        ImportanceGuard(surprisal=1.0).prepare(_sentence_states(imp, torch.rand(5)), torch.tensor([4]),
+                                               torch.zeros(1, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="surprisal"):
+        ImportanceGuard(surprisal=-1.0)
+
+
+def test_surprisal_presets_meet_budgets_and_declare_needs():
+    state, _ = with_scores(make_state(3, B=2, H=3, N=256, vocab=VOCAB, with_membership=False))
+    gen = torch.Generator().manual_seed(2)
+    state = state.replace(extras={**state.extras, "surprisal": torch.rand(2, 256, generator=gen) * 5,
+                                  "queries": torch.randn(2, state.num_heads, 32, state.head_dim, generator=gen)})
+    for name in ("kvzip-sentences-surprisal", "kvzip-hybrid"):
+        pipe = Pipeline(get_preset(name, keep_ratio=0.25, on_infeasible="error"))
+        assert pipe.needs.surprisal and pipe.needs.model_pass, name
+        out, report = pipe.compress(state, layer_idx=0)
+        assert report.budget_met, name
+        assert bool((out.valid.sum(-1) == 64).all()), (name, out.valid.sum(-1))

@@ -117,3 +117,95 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="layers"):
         reconstruction_scores(model, kv, ctx, repeat_ids=rep, layers=[7])
     assert model.config._attn_implementation == "eager"
+
+
+# ---------------------------------------------------------------------------- surprisal
+def reference_prefill_surprisal(model, ids):
+    """[B, T]: -log softmax of a plain full forward's logits at t - 1, read at ids[t]; 0 at t = 0."""
+    with torch.no_grad():
+        logp = model(input_ids=ids).logits.float().log_softmax(-1)
+    out = torch.zeros(ids.shape, dtype=torch.float32)
+    out[:, 1:] = -logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return out
+
+
+def test_prefill_surprisal_equals_a_full_forward():
+    from kvcompress.hf.reconstruct import prefill_surprisal
+
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (2, 23), generator=gen)
+    got = prefill_surprisal(model, ids)
+    torch.testing.assert_close(got, reference_prefill_surprisal(model, ids), atol=1e-4, rtol=1e-4)
+    assert got.shape == (2, 23) and float(got[:, 0].abs().max()) == 0.0 and bool((got[:, 1:] > 0).all())
+    assert model.config._attn_implementation == "eager"  # restored
+
+
+def test_prefill_surprisal_of_a_left_padded_row_is_its_own():
+    from kvcompress.hf.reconstruct import prefill_surprisal
+
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(4)
+    short = torch.randint(0, 50, (1, 9), generator=gen)
+    long = torch.randint(0, 50, (1, 13), generator=gen)
+    ids = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long])
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, :4] = 0
+    got = prefill_surprisal(model, ids, attention_mask=mask)
+    torch.testing.assert_close(got[0, 4:], reference_prefill_surprisal(model, short)[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], reference_prefill_surprisal(model, long)[0], atol=1e-4, rtol=1e-4)
+    assert float(got[0, :4].abs().max()) == 0.0
+
+
+def test_token_surprisal_in_row_blocks_equals_one_block():
+    from kvcompress.hf.reconstruct import token_surprisal
+
+    gen = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(8, 30, bias=False)
+    hidden = torch.randn(2, 11, 8, generator=gen)
+    tgt = torch.randint(0, 30, (2, 11), generator=gen)
+    with torch.no_grad():
+        ref = -head(hidden).log_softmax(-1).gather(-1, tgt[..., None])[..., 0]
+        for rows in (1, 3, 64):
+            torch.testing.assert_close(token_surprisal(head, hidden, tgt, rows=rows), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_pass_surprisal_equals_full_forward_logits(chunk):
+    """The pass's own surprisal (a measured alternative): position P - 1 + j of a chunk's fresh
+    full forward (context + repeat + chunk) predicts the chunk's token j."""
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(6)
+    ctx = torch.randint(0, 50, (2, 17), generator=gen)
+    repeat = torch.randint(0, 50, (1, 3), generator=gen)
+    got = reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat, chunk=chunk, surprisal=True)
+    B, T = ctx.shape
+    ref = torch.zeros(B, T)
+    for s in range(0, T, chunk):
+        piece = ctx[:, s:s + chunk]
+        ids = torch.cat([ctx, repeat.expand(B, -1), piece], dim=1)
+        with torch.no_grad():
+            logp = model(input_ids=ids).logits.float().log_softmax(-1)
+        rows = logp[:, T + 3 - 1: T + 3 - 1 + piece.shape[1]]
+        ref[:, s:s + piece.shape[1]] = -rows.gather(-1, piece[..., None])[..., 0]
+    torch.testing.assert_close(got.surprisal, ref, atol=1e-4, rtol=1e-4)
+    assert reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat).surprisal is None
+
+
+def test_surprisal_bad_inputs():
+    from kvcompress.hf.reconstruct import prefill_surprisal
+
+    model = tiny_llama()
+    ctx = torch.randint(0, 50, (1, 6))
+    with pytest.raises(ValueError, match="model"):
+        prefill_surprisal(None, ctx)
+    with pytest.raises(ValueError, match="ids"):
+        prefill_surprisal(model, ctx[:, :0])
+    with pytest.raises(ValueError, match="attention_mask"):
+        prefill_surprisal(model, ctx, attention_mask=torch.ones(1, 5))
+    with pytest.raises(ValueError, match="layers"):  # the model's output is needed
+        reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=torch.tensor([[1]]), layers=[0],
+                              surprisal=True)
+    with pytest.raises(ValueError, match="surprisal"):
+        reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=torch.tensor([[1]]), surprisal=1)
+    assert model.config._attn_implementation == "eager"

@@ -160,3 +160,53 @@ def test_eval_pass_uses_the_live_caches_repeat_prompt_on_plain_text(model, tok):
     for e, h, p in zip(evaluated, hooked, plain):
         torch.testing.assert_close(e, h, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(e, p, rtol=1e-3, atol=1e-5)
+
+
+def test_live_cache_and_eval_give_the_same_prefill_surprisal(model, tok):
+    """A cache for a pipeline declaring Needs(surprisal=True) gets each context token's prefill
+    surprisal from its prefill hook (extras["surprisal"], every layer), equal to the eval's
+    (attach_reconstruction) and to a plain forward's logits; a pipeline without the need gets none."""
+    import kvcompress
+    from kvcompress.eval.caches import Recorder
+    from kvcompress.eval.methods import Method
+    from kvcompress.eval.reconstruction import attach_reconstruction
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+    from kvcompress.hf.reconstruct import SURPRISAL_KEY, prefill_hook
+
+    ids = _ids(tok, 70)
+    with torch.no_grad():
+        logp = model(input_ids=ids).logits.float().log_softmax(-1)
+    ref = torch.zeros(ids.shape)
+    ref[:, 1:] = -logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+
+    live = CompressedCache.for_model(model, tok, "kvzip-hybrid", backend="sdpa", keep_ratio=0.5, recent=8)
+    seen = {}
+    live.add_prefill_hook(lambda cache, m: seen.update(sur=[st.extras.get(SURPRISAL_KEY) for st in cache.states()]))
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): live})
+    assert live.stats["surprisal_s"] > 0
+    live.close()
+    assert all(s is seen["sur"][0] for s in seen["sur"])
+    torch.testing.assert_close(seen["sur"][0], ref, atol=1e-4, rtol=1e-4)
+
+    rec = Recorder.for_configs(model, tok, [Method.parse("kvzip-hybrid").config(0.25)], backend="sdpa")
+    try:
+        rec.feed(ids)
+        snap = rec.snapshot()
+    finally:
+        rec.close()
+    attach_reconstruction(model, tok, snap, surprisal=True)
+    torch.testing.assert_close(snap.states[0].extras[SURPRISAL_KEY], ref, atol=1e-4, rtol=1e-4)
+
+    plain = CompressedCache.for_model(model, tok, None, backend="sdpa")
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): plain})
+    prefill_hook(tok)(plain, model)  # the pipeline (none) does not ask for surprisal
+    assert SURPRISAL_KEY not in plain.states()[0].extras
+    plain.close()
+
+    for preset in ("kvzip-hybrid", "kvzip-sentences-surprisal"):
+        res = kvcompress.generate(model, tok, TEXT, preset, budget=0.25, max_new_tokens=3, question="What is",
+                                  backend="sdpa", recent=8)
+        assert res.report["budget_met"], (preset, res.report.get("budget_note"))

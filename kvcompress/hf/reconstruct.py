@@ -39,6 +39,8 @@ from ..validation import check_int, check_range, require
 ATTN_NAME = "kvcompress_reconstruct"
 STATS_KEY = "reconstruction"  # per-slot statistic [B, H, N]: the reconstruction score
 QUERIES_KEY = "reconstruction_queries"  # carried data [B, Hq, R, D]: sampled reconstruction queries
+SURPRISAL_KEY = "surprisal"  # carried data [B, T] float32: each context token's prefill surprisal
+LOGIT_ROWS = 256  # positions per lm_head call when computing surprisal (memory ~ rows * vocab floats)
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 DEFAULT_CHUNK = 512
 
@@ -49,6 +51,8 @@ class Reconstruction:
 
     scores:   per layer [B, H_kv, N] float32 (None for a layer not scored); padding slots 0
     queries:  per layer [B, Hq, R, D] sampled reconstruction queries (rotated, unscaled) or None
+    surprisal: [B, T] float32, -log p(token) of each context token as the pass predicts it from the
+              cache and the tokens before it (teacher forced), or None when not asked; padding 0
     seconds:  wall time of the pass; tokens: tokens fed (prompt repeats included); chunks: forwards
     """
 
@@ -58,6 +62,7 @@ class Reconstruction:
     tokens: int
     chunks: int
     meta: dict = field(default_factory=dict)
+    surprisal: Tensor | None = None
 
 
 class _StopForward(Exception):
@@ -176,7 +181,7 @@ class _Pass:
 def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_ids: Tensor,
                           chunk: int = DEFAULT_CHUNK, subsample: float = 1.0,
                           layers: Sequence[int] | None = None, attention_mask: Tensor | None = None,
-                          query_samples: int = 0) -> Reconstruction:
+                          query_samples: int = 0, surprisal: bool = False) -> Reconstruction:
     """Reconstruction importance of every cached slot, per layer and KV head.
 
     model:          a transformers causal LM (Llama-family: ``model.model.layers[i].self_attn``)
@@ -191,6 +196,9 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                     nothing (their slots should carry bias -inf in the states)
     query_samples:  R > 0 also returns about R reconstruction queries per scored layer, strided
                     evenly over all reconstruction positions
+    surprisal:      also return each context token's surprisal under the pass (``token_surprisal``
+                    of the last hidden states: the lm_head over the context positions, no extra
+                    forward); needs every layer (``layers`` None or holding the last one)
     """
     require(model is not None and hasattr(model, "model") and hasattr(model.model, "layers"), "model",
             type(model).__name__, "a transformers decoder model with .model.layers (model access is required: "
@@ -212,6 +220,9 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     scored = set(range(num_layers)) if layers is None else set(int(i) for i in layers)
     require(len(scored) > 0 and all(0 <= i < num_layers for i in scored), "layers", layers,
             f"None or a non-empty list of layer indices in [0, {num_layers})")
+    require(isinstance(surprisal, bool), "surprisal", surprisal, "True or False")
+    require(not surprisal or max(scored) == num_layers - 1, "layers", layers,
+            f"a set holding the last layer ({num_layers - 1}) when surprisal=True (it reads the model's output)")
     if attention_mask is not None:
         require(tuple(attention_mask.shape) == (B, T), "attention_mask", tuple(attention_mask.shape), f"shape {(B, T)}")
 
@@ -239,6 +250,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
         handle = model.model.layers[deepest].register_forward_hook(stop)
     begin = time.perf_counter()
     fed = 0
+    sur = torch.zeros(B, T, dtype=torch.float32, device=device) if surprisal else None
     try:
         model.set_attn_implementation(ATTN_NAME)
         with torch.inference_mode():
@@ -253,9 +265,14 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                 else:
                     run.query_valid = None
                 try:
-                    model.model(input_ids=ids.clamp(min=0), position_ids=pos, use_cache=False)
+                    out = model.model(input_ids=ids.clamp(min=0), position_ids=pos, use_cache=False)
                 except _StopForward:
-                    pass
+                    out = None
+                if sur is not None:
+                    # position P - 1 + j predicts the chunk's token j (the repeat prompt's last token the first)
+                    m = piece.shape[1]
+                    hidden = out.last_hidden_state[:, P - 1: P - 1 + m]
+                    sur[:, s: s + m] = token_surprisal(model.get_output_embeddings(), hidden, piece)
                 run.offset += q
                 fed += q
     finally:
@@ -267,6 +284,8 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     for i, s in enumerate(scores):
         if s is not None:
             scores[i] = s.masked_fill(~(kv[i][2] > NEG_INF), 0.0)
+    if sur is not None and attention_mask is not None:
+        sur = sur.masked_fill(~attention_mask.to(device=device, dtype=torch.bool), 0.0)
     queries = [None] * num_layers
     if query_samples:
         for i in scored:
@@ -274,7 +293,23 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                 queries[i] = torch.cat(run.queries[i], dim=2)[:, :, :query_samples]
     return Reconstruction(scores=scores, queries=queries, seconds=seconds, tokens=fed, chunks=len(starts),
                           meta={"chunk": chunk, "subsample": subsample, "prompt_tokens": P,
-                                "layers": sorted(scored), "context_tokens": T})
+                                "layers": sorted(scored), "context_tokens": T}, surprisal=sur)
+
+
+def token_surprisal(head, hidden: Tensor, targets: Tensor, rows: int = LOGIT_ROWS) -> Tensor:
+    """[B, m] float32: -log softmax(head(hidden))[target] per position, in float32.
+
+    head: the model's output projection (``get_output_embeddings()``); hidden: [B, m, d] the
+    final hidden states (after the model's last norm) of the positions predicting ``targets``
+    [B, m] long. The vocabulary logits are built ``rows`` positions at a time, never [m, V] at once.
+    """
+    B, m = targets.shape
+    out = torch.empty(B, m, dtype=torch.float32, device=hidden.device)
+    for a in range(0, m, rows):
+        logits = head(hidden[:, a: a + rows]).float()  # [B, r, V]
+        tgt = targets[:, a: a + rows].clamp(min=0)
+        out[:, a: a + rows] = logits.logsumexp(-1) - logits.gather(-1, tgt[..., None])[..., 0]
+    return out
 
 
 def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor | None = None,
@@ -282,7 +317,9 @@ def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor
                  query_samples: int = 64):
     """A ``fn(cache, model)`` for ``CompressedCache.add_prefill_hook``: at the prefill's end, before
     the compression, run the pass over the cache's states and write the scores as the per-slot
-    statistic ``"reconstruction"`` (and the sampled queries as ``extras["reconstruction_queries"]``).
+    statistic ``"reconstruction"`` (and the sampled queries as ``extras["reconstruction_queries"]``;
+    when the cache's pipeline declares ``Needs(surprisal=True)``, each context token's prefill
+    surprisal (``prefill_surprisal``) as ``extras["surprisal"]`` [B, T], the same tensor in every layer).
 
     tokenizer / chat: build the repeat prompt (``repeat_prompt_ids``), unless ``repeat_ids`` is given.
     """
@@ -302,8 +339,58 @@ def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor
                                     layers=layers, attention_mask=mask, query_samples=query_samples)
         scores = [s if s is not None else torch.zeros_like(st.log_sizes) for s, st in zip(res.scores, states)]
         cache.set_stats(STATS_KEY, scores)
+        if cache.scheduler.needs.surprisal:
+            start = time.perf_counter()
+            sur = prefill_surprisal(model, ids, attention_mask=mask)
+            cache.set_extras(SURPRISAL_KEY, [sur] * len(states))
+            cache.stats["surprisal_s"] = cache.stats.get("surprisal_s", 0.0) + time.perf_counter() - start
         if query_samples:
             cache.set_extras(QUERIES_KEY, res.queries)
         cache.stats["reconstruct_s"] = cache.stats.get("reconstruct_s", 0.0) + res.seconds
 
     return hook
+
+
+def prefill_surprisal(model, ids: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+    """[B, T] float32: each token's surprisal as the model reads the context, -log p(ids[t] | ids[<t])
+    (0 for each row's first token, which nothing predicts, and for padding).
+
+    The model's own view of what in the context it could not have guessed: a planted fact or an
+    unexpected name scores high, boilerplate low. One forward of the model without any cache
+    (its attention implementation set to "sdpa" for the call and restored after: a bound
+    CompressedCache is not touched), the lm_head applied ``LOGIT_ROWS`` positions at a time.
+    Measured on the dev text (results/issue18-dev3): this is the signal that adds to
+    reconstruction importance; the surprisal under the reconstruction pass itself (the
+    ``surprisal=True`` of ``reconstruction_scores``, free but a copy is easy everywhere) does not.
+
+    ids: [B, T] long; attention_mask: [B, T] (1 = token, 0 = left padding) or None.
+    """
+    require(model is not None and hasattr(model, "model"), "model", type(model).__name__,
+            "a transformers causal LM (model access is required: surprisal is the model's prediction)")
+    require(isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] >= 1 and not ids.is_floating_point(),
+            "ids", tuple(getattr(ids, "shape", ())), "a [B, T] tensor of token ids with T >= 1 (the context is empty)")
+    B, T = ids.shape
+    device = model.get_output_embeddings().weight.device
+    ids = ids.to(device)
+    kwargs = {}
+    if attention_mask is not None:
+        require(tuple(attention_mask.shape) == (B, T), "attention_mask", tuple(attention_mask.shape), f"shape {(B, T)}")
+        mask = attention_mask.to(device=device, dtype=torch.long)
+        kwargs = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("sdpa")
+        with torch.inference_mode():
+            hidden = model.model(input_ids=ids.clamp(min=0), use_cache=False, **kwargs).last_hidden_state
+            out = torch.zeros(B, T, dtype=torch.float32, device=device)
+            if T > 1:
+                out[:, 1:] = token_surprisal(model.get_output_embeddings(), hidden[:, :-1], ids[:, 1:])
+    finally:
+        model.set_attn_implementation(previous)
+    if attention_mask is not None:  # padding, and each row's first token (predicted from padding)
+        real = attention_mask.to(device=device, dtype=torch.bool)
+        predicted = real.clone()
+        predicted[:, 1:] &= real[:, :-1]
+        predicted[:, 0] = False
+        out = out.masked_fill(~predicted, 0.0)
+    return out

@@ -21,7 +21,15 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
 - ``kvzip-sentences-median`` / ``kvzip-d2o-median``: sentences ranked by their median token's
   importance instead of the mean (dev text, pydoc_data.topics: a short line whose delimiter draws
   sink-like attention no longer outranks a fact's sentence); the D2O one keeps sentences
-  (``MEDIAN_SENTENCE_SHARE``) and per-head tokens (``MEDIAN_TOKEN_SHARE``) exact and merges the rest.
+  (``MEDIAN_SENTENCE_SHARE``) and per-head tokens (``MEDIAN_TOKEN_SHARE``) exact and merges the rest;
+- ``kvzip-sentences-surprisal``: kvzip-sentences-median with each sentence ranked by its median
+  importance and its prefill surprisal together (``SURPRISAL_WEIGHT``): the model's own signal of
+  what it could not have guessed from the rest of the text;
+- ``kvzip-hybrid``: the facts and the fidelity in one cache: sentences ranked as
+  kvzip-sentences-surprisal take ``HYBRID_SENTENCE_SHARE`` of the budget, exact and shared by every
+  head and layer; the best tokens per head by reconstruction score (Ada-KV budgets over the heads
+  of a layer) ``HYBRID_TOKEN_SHARE``; the recent window and SnapKV's choice the rest; every token
+  left out merges into its most similar kept token (D2O) or is dropped.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -37,6 +45,9 @@ TOKEN_SHARE = 0.5  # the -tokens presets: per-head best tokens by reconstruction
 TOKENS_SENTENCE_SHARE = 0.2
 MEDIAN_SENTENCE_SHARE = 0.3  # kvzip-d2o-median: sentences by their median token, then per-head tokens
 MEDIAN_TOKEN_SHARE = 0.3
+SURPRISAL_WEIGHT = 1.0  # sentence rank = rank(median importance) + w * rank(prefill surprisal) (dev, pydoc)
+HYBRID_SENTENCE_SHARE = 0.8  # kvzip-hybrid: sentences by importance + surprisal, shared by every head (dev: 0.4-1.0 tried)
+HYBRID_TOKEN_SHARE = 0.15  # kvzip-hybrid: per-head best tokens by reconstruction score (Ada-KV split)
 SCORER = {"name": "reconstruction"}
 
 
@@ -127,6 +138,22 @@ def kvzip_d2o_median() -> PipelineConfig:
     choice for the other slots, the tokens left out merged into their most similar kept token."""
     return _d2o("kvzip-d2o-median", importance_guard(MEDIAN_SENTENCE_SHARE, reduce="median",
                                                      token_share=MEDIAN_TOKEN_SHARE))
+
+
+@register_preset("kvzip-sentences-surprisal")
+def kvzip_sentences_surprisal() -> PipelineConfig:
+    """kvzip-sentences with each sentence ranked by its median importance and its prefill surprisal."""
+    return _kvzip("kvzip-sentences-surprisal").replace(
+        guards=(importance_guard(1.0, reduce="median", surprisal=SURPRISAL_WEIGHT),))
+
+
+@register_preset("kvzip-hybrid")
+def kvzip_hybrid() -> PipelineConfig:
+    """Sentences by median importance + prefill surprisal exact in every head and layer, per-head
+    best tokens by reconstruction score (Ada-KV split), SnapKV's choice and the recent window for
+    the rest, the tokens left out merged into their most similar kept token (D2O) or dropped."""
+    return _d2o("kvzip-hybrid", importance_guard(HYBRID_SENTENCE_SHARE, reduce="median", surprisal=SURPRISAL_WEIGHT,
+                                                 token_share=HYBRID_TOKEN_SHARE, head_budget="adaptive"))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:

@@ -11,8 +11,8 @@ torch here: these strategies only read it.
 - ``adaptive_keep``: Ada-KV's selection, one top-k over all heads of a layer so that heads whose
   importance is spread keep more (per-head budgets summing to the layer's budget);
 - guard ``importance``: whole sentences ranked by reconstruction importance summed over every
-  layer and head, kept exact in every head and layer (facts live in sentences; a number cut in
-  half in one head is lost).
+  layer and head (optionally with the sentences' prefill surprisal, ``surprisal=w``), kept exact
+  in every head and layer (facts live in sentences; a number cut in half in one head is lost).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_s
 from .guards import decided_for
 
 STAT = "reconstruction"
+SURPRISAL = "surprisal"  # extras [B, T] float32: each context token's prefill surprisal (kvcompress.hf.reconstruct)
 REDUCES = ("mean", "sum", "max", "median")
 HEAD_BUDGETS = ("uniform", "adaptive")
 
@@ -45,6 +46,31 @@ def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> T
     require(isinstance(x, Tensor) and tuple(x.shape) == tuple(state.log_sizes.shape), f"{who}: {STAT}",
             tuple(getattr(x, "shape", ())), f"a [B, H, N] tensor of shape {tuple(state.log_sizes.shape)}")
     return x.float()
+
+
+def surprisal_of(state: KVState, num_tokens: int, who: str = "importance guard") -> Tensor:
+    """[B, T] float32: the context tokens' prefill surprisal (extras["surprisal"]); a ValueError
+    saying how to get it."""
+    x = state.extras.get(SURPRISAL)
+    require(x is not None, f"{who}: state.extras[{SURPRISAL!r}]", None,
+            "each context token's prefill surprisal: a strategy declaring Needs(surprisal=True) gets it from the "
+            "model pass at the prefill's end (kvcompress.hf.reconstruct.prefill_surprisal; "
+            "CompressedCache.for_model(model, tokenizer, ...) runs it)")
+    require(isinstance(x, Tensor) and x.dim() == 2 and x.shape[0] == state.batch_size and x.shape[1] >= num_tokens,
+            f"{who}: {SURPRISAL}", tuple(getattr(x, "shape", ())),
+            f"a [B={state.batch_size}, T >= {num_tokens}] tensor (one value per context token)")
+    return x[:, :num_tokens].float()
+
+
+def ranks01(x: Tensor, eligible: Tensor) -> Tensor:
+    """[B, S] float32 in [0, 1]: each eligible entry's rank among the eligible entries of its row
+    (1 = highest; ties broken by index), 0 for the others. x, eligible: [B, S]."""
+    key = torch.where(eligible, x.float(), float("-inf"))
+    rank = key.argsort(dim=-1, stable=True).argsort(dim=-1, stable=True).float()  # 0 = lowest
+    n = eligible.sum(-1, keepdim=True).float()
+    # the ineligible entries (-inf) take the lowest ranks: shift them away
+    out = (rank - (x.shape[-1] - n)) / (n - 1).clamp(min=1)
+    return torch.where(eligible, out.clamp(min=0.0), torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 @register_scorer("reconstruction")
@@ -120,7 +146,13 @@ class ImportanceGuard:
             stays rectangular at the budget: the per-head budget is of exact tokens, not of memory
     reduce: a sentence's score from its tokens' importance (importance of a token = its
             reconstruction score summed over every layer and KV head): "mean" (importance per
-            token of budget spent), "sum" or "max"
+            token of budget spent), "sum", "max" or "median" (not moved by one delimiter token
+            that draws sink-like attention)
+    surprisal: weight w of the sentences' prefill surprisal (mean over their tokens of
+            -log p(token | what precedes), the model's own "I could not have guessed this"; needs
+            ``Needs(surprisal=True)``): with w > 0 a sentence ranks by
+            rank(importance) + w * rank(surprisal), ranks in [0, 1] among the candidate
+            sentences, so neither signal's scale matters. 0: importance alone
     ends:   characters that end a sentence
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
@@ -132,7 +164,10 @@ class ImportanceGuard:
     persistent = True
 
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
-                 window_share: float = 0.0, head_budget: str = "uniform", ends: Sequence[str] = SENTENCE_ENDS):
+                 window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
+                 ends: Sequence[str] = SENTENCE_ENDS):
+        check_range("surprisal", surprisal, 0.0, 100.0)
+        self.surprisal = float(surprisal)
         check_range("share", share, 0.0, 1.0)
         check_range("token_share", token_share, 0.0, 1.0)
         check_range("window_share", window_share, 0.0, 1.0)
@@ -154,9 +189,11 @@ class ImportanceGuard:
 
     def __repr__(self) -> str:
         return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
-                f"window_share={self.window_share}, head_budget={self.head_budget!r})")
+                f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal})")
 
-    needs = Needs(model_pass=True)
+    @property
+    def needs(self) -> Needs:
+        return Needs(model_pass=True, surprisal=self.surprisal > 0)
 
     def prepared_for(self, state: KVState) -> bool:
         return decided_for(self._ids, state)
@@ -182,6 +219,12 @@ class ImportanceGuard:
             score = sentence_sum(importance, sid, num)
             if self.reduce == "mean":
                 score = score / sentence_sum(torch.ones_like(importance), sid, num).clamp(min=1)
+        if self.surprisal > 0:
+            surprise = sentence_sum(surprisal_of(first, T).to(ids.device), sid, num)
+            surprise = surprise / sentence_sum(torch.ones_like(importance), sid, num).clamp(min=1)
+            eligible = lengths > 0
+            # + a hair so that the lowest-ranked candidate still counts as a candidate (score > 0)
+            score = ranks01(score, eligible) + self.surprisal * ranks01(surprise, eligible) + 1e-6 * eligible
         # the allowance is what the budget leaves after the slots protected anyway (sinks, recent)
         room = (budget.to(ids.device) - (~free.bool()).sum(-1)).clamp(min=0)
         allowance = torch.floor(room.to(torch.float64) * self.share).long()
