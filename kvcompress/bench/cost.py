@@ -26,13 +26,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..strategies.importance import STAT as RECONSTRUCTION, SURPRISAL
 from ..types import KVState
 from .machine import load_average
 
 STATS_NOTE = ("presets with track_attention read random positive attn_acc, and presets reading the reconstruction "
               "statistic random positive scores (their cost does not depend on the values; recording real attention "
               "needs the prefill's attention matrices; the reconstruction pass is a model forward, timed apart)")
-RECONSTRUCTION = "reconstruction"  # the per-slot statistic the reconstruction pass writes
 
 
 def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVState]:
@@ -40,13 +40,15 @@ def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVStat
     query window (the last ones; repeated along the window when the snapshot holds fewer, none
     when the pipeline needs no queries) and, with
     ``track_attention``, a random positive ``stats["attn_acc"]`` [B, H, N]; when a strategy reads
-    the reconstruction statistic, a random positive ``stats["reconstruction"]`` [B, H, N]."""
+    the reconstruction statistic, a random positive ``stats["reconstruction"]`` [B, H, N]; when it
+    needs the prefill surprisal, a random ``extras["surprisal"]`` [B, T]."""
     from ..pipeline import Pipeline
 
     gen = torch.Generator().manual_seed(seed)
     needs = Pipeline(config).needs
     model_pass, window = needs.model_pass, needs.query_window
     out = []
+    surprisal = torch.rand(states[0].batch_size, states[0].num_slots, generator=gen) * 10 if states else None
     for st in states:
         extras = dict(st.extras)
         q = extras.pop("queries", None)
@@ -60,6 +62,9 @@ def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVStat
             stats["attn_acc"] = torch.rand(st.keys.shape[:3], generator=gen)
         if model_pass and RECONSTRUCTION not in stats:
             stats[RECONSTRUCTION] = torch.rand(st.keys.shape[:3], generator=gen)
+        if needs.surprisal and SURPRISAL not in extras:
+            # one value per context token, the same tensor in every layer (as the prefill hook writes it)
+            extras[SURPRISAL] = surprisal
         out.append(st.replace(extras=extras, stats=stats))
     return out
 

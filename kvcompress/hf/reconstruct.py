@@ -33,13 +33,16 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..strategies.fitted import RECONSTRUCTION_QUERIES
+from ..strategies.importance import STAT, SURPRISAL
 from ..types import NEG_INF, KVState
 from ..validation import check_int, check_range, require
 
 ATTN_NAME = "kvcompress_reconstruct"
-STATS_KEY = "reconstruction"  # per-slot statistic [B, H, N]: the reconstruction score
-QUERIES_KEY = "reconstruction_queries"  # carried data [B, Hq, R, D]: sampled reconstruction queries
-SURPRISAL_KEY = "surprisal"  # carried data [B, T] float32: each context token's prefill surprisal
+# the names the core's strategies read these under (one definition, in the core)
+STATS_KEY = STAT  # per-slot statistic [B, H, N]: the reconstruction score
+QUERIES_KEY = RECONSTRUCTION_QUERIES  # carried data [B, Hq, R, D]: sampled reconstruction queries
+SURPRISAL_KEY = SURPRISAL  # carried data [B, T] float32: each context token's prefill surprisal
 LOGIT_ROWS = 256  # positions per lm_head call when computing surprisal (memory ~ rows * vocab floats)
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 DEFAULT_CHUNK = 512
