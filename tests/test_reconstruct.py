@@ -199,8 +199,10 @@ def test_surprisal_bad_inputs():
     ctx = torch.randint(0, 50, (1, 6))
     with pytest.raises(ValueError, match="model"):
         prefill_surprisal(None, ctx)
-    with pytest.raises(ValueError, match="ids"):
+    with pytest.raises(ValueError, match="context is empty"):
         prefill_surprisal(model, ctx[:, :0])
+    with pytest.raises(ValueError, match="integer tensor"):  # float ids: not "empty"
+        prefill_surprisal(model, ctx.float())
     with pytest.raises(ValueError, match="attention_mask"):
         prefill_surprisal(model, ctx, attention_mask=torch.ones(1, 5))
     with pytest.raises(ValueError, match="layers"):  # the model's output is needed

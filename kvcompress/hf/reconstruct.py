@@ -370,8 +370,10 @@ def prefill_surprisal(model, ids: Tensor, *, attention_mask: Tensor | None = Non
     """
     require(model is not None and hasattr(model, "model"), "model", type(model).__name__,
             "a transformers causal LM (model access is required: surprisal is the model's prediction)")
-    require(isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] >= 1 and not ids.is_floating_point(),
-            "ids", tuple(getattr(ids, "shape", ())), "a [B, T] tensor of token ids with T >= 1 (the context is empty)")
+    require(isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point(), "ids",
+            f"{tuple(getattr(ids, 'shape', ()))} {getattr(ids, 'dtype', type(ids).__name__)}",
+            "a [B, T] integer tensor of token ids")
+    require(ids.shape[1] >= 1, "ids", tuple(ids.shape), "at least one context token (the context is empty)")
     B, T = ids.shape
     device = model.get_output_embeddings().weight.device
     ids = ids.to(device)
