@@ -179,8 +179,15 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.length < 16 or args.rounds < 1 or args.reps < 1 or not 0 < args.keep < 1:
-        ap.error("--length >= 16, --rounds >= 1, --reps >= 1 and 0 < --keep < 1")
+    if (args.length < 16 or args.rounds < 1 or args.reps < 1 or not 0 < args.keep < 1 or args.threads < 1
+            or args.reconstruction < 0 or args.flop_bounds < 0):
+        ap.error("--length >= 16, --rounds >= 1, --reps >= 1, 0 < --keep < 1, --threads >= 1, "
+                 "--reconstruction >= 0 and --flop-bounds >= 0")
+    from kvcompress.presets import list_presets
+
+    unknown = [p for p in args.presets if p not in ("all", "quadratic") and p not in list_presets()]
+    if unknown:  # before the model loads
+        ap.error(f"unknown presets {unknown}: expected 'all' or names from kvcompress.list_presets()")
     torch.set_num_threads(args.threads)
     doc = run_scaling(args) if args.scaling else run_cost(args)
     out = args.out or RESULTS / ("cost_scaling.json" if args.scaling else f"cost_smollm2_{args.length}.json")

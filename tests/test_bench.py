@@ -511,3 +511,17 @@ def test_cost_ab_rejects_bad_arguments_before_any_work():
         with pytest.raises(SystemExit) as exc:
             ab.main(argv)
         assert exc.value.code == 2
+
+
+def test_cost_bench_rejects_bad_arguments_before_the_model_loads():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cost", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "bench_cost.py")
+    bench_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_cost)
+    for argv in (["--presets", "no-such-preset"], ["--flop-bounds", "-1"], ["--reconstruction", "-1"],
+                 ["--threads", "0"], ["--keep", "1.5"]):
+        with pytest.raises(SystemExit) as exc:
+            bench_cost.main(argv)
+        assert exc.value.code == 2
