@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ def folders(tmp_path_factory):
 
     folder = smollm2_folder(tmp_path_factory.mktemp("smollm2") / "hf")
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    return folder, reference.eval()
+    yield folder, reference.eval()
+    shutil.rmtree(folder, ignore_errors=True)  # 517 MB: pytest keeps its last three temporary folders
 
 
 def test_tensors_and_config_equal_transformers_gguf_loader(folders):

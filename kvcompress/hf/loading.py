@@ -3,9 +3,11 @@ Hugging Face causal LM, with kvcompress attention selected."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -51,14 +53,51 @@ def cache_dir() -> Path:
     return Path(base) / "kvcompress"
 
 
+def content_key(path: Path, sample: int = 1 << 20) -> str:
+    """A short key for a large file's bytes: its size and a hash of its first and last MiB.
+
+    Cached conversions are keyed by this, not by the file's time: every fresh install of the same
+    package writes the same bytes with a new time, and a time key left one 517 MB folder behind
+    per install (a CI machine's disk filled up)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(sample))
+        f.seek(max(size - sample, 0))
+        digest.update(f.read(sample))
+    return f"{size}-{digest.hexdigest()[:16]}"
+
+
+def prune_cache(folder: Path, prefix: str, keep: str, stale_s: float = 3600.0) -> list[Path]:
+    """Remove the cache entries ``prefix*`` beside ``keep`` (older conversions of another file, and
+    unfinished ``*.tmpPID`` folders untouched for ``stale_s``); returns what was removed.
+
+    A finished entry under another key is never read again (the key follows the file's bytes), so
+    keeping it only costs disk. An unfinished one may belong to a run still writing it: only an
+    old one is removed."""
+    removed = []
+    now = time.time()
+    for entry in sorted(folder.glob(f"{prefix}*")) if folder.is_dir() else []:
+        if entry.name == keep:
+            continue
+        if ".tmp" in entry.name[len(prefix):]:
+            try:
+                if now - entry.stat().st_mtime < stale_s:
+                    continue
+            except OSError:
+                continue
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
 def _smollm2_tokenizer(path: Path):
     """The GGUF tokenizer, converted once (about 9 s of CPU) and then read from a small cache
-    (a few MB; keyed by the GGUF file's size and time, so a reinstall rebuilds it)."""
+    (a few MB; keyed by the GGUF file's bytes, so a reinstall of the same model reuses it)."""
     from transformers import AutoTokenizer
 
     gguf = path / SMOLLM2_GGUF
-    stat = gguf.stat()
-    saved = cache_dir() / f"smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
+    saved = cache_dir() / f"smollm2-tokenizer-{content_key(gguf)}"
     if (saved / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(saved)
@@ -69,6 +108,7 @@ def _smollm2_tokenizer(path: Path):
     try:
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, saved)  # atomic: a concurrent run sees all of it or nothing
+        prune_cache(saved.parent, "smollm2-tokenizer-", saved.name)
     except OSError:  # read-only home, or another process won the race: the cache is optional
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer

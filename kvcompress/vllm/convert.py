@@ -1,7 +1,8 @@
 """Convert the embedded SmolLM2 GGUF model to an ordinary model folder that vLLM can load.
 
 vLLM 0.32 has no GGUF loader. The folder is written once under ``kvcompress`` 's cache directory
-(``$KVCOMPRESS_CACHE_DIR`` or ``~/.cache/kvcompress``) and reused; 517 MB.
+(``$KVCOMPRESS_CACHE_DIR`` or ``~/.cache/kvcompress``) and reused; 517 MB, keyed by the GGUF file's
+bytes, and a conversion of another file is removed when a new one is written.
 
 The tensors are read from the GGUF file with the ``gguf`` package and written as float32
 safetensors directly (about 15 s, where loading the model through transformers' GGUF path and
@@ -38,7 +39,7 @@ _TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
 
 def smollm2_folder(target: str | os.PathLike | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct folder (float32 safetensors + tokenizer), built on first use."""
-    from ..hf.loading import SMOLLM2_GGUF, cache_dir, smollm2_dir
+    from ..hf.loading import SMOLLM2_GGUF, cache_dir, content_key, prune_cache, smollm2_dir
     from ..validation import require
 
     if target is not None:
@@ -47,9 +48,8 @@ def smollm2_folder(target: str | os.PathLike | None = None) -> Path:
         require(not folder.exists() or (folder.is_dir() and (_converted(folder) or not any(folder.iterdir()))),
                 "target", str(folder), "a new or empty folder, or one this converter wrote before")
     source = smollm2_dir()
-    stat = (source / SMOLLM2_GGUF).stat()
     if target is None:
-        folder = cache_dir() / f"smollm2-hf-{stat.st_size}-{int(stat.st_mtime)}"
+        folder = cache_dir() / f"smollm2-hf-{content_key(source / SMOLLM2_GGUF)}"
     if _converted(folder):
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
@@ -59,6 +59,8 @@ def smollm2_folder(target: str | os.PathLike | None = None) -> Path:
         write_llama_folder(source / SMOLLM2_GGUF, tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)  # atomic: a concurrent run sees all of it or nothing
+        if target is None:
+            prune_cache(folder.parent, "smollm2-hf-", folder.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
