@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,6 +159,42 @@ def measure(names: list[str], args, workdir: Path) -> dict:
     return out
 
 
+def function_counts(dump: Path, top: int) -> dict[str, int]:
+    """{function: instructions} of the ``top`` functions of one dump (callgrind_annotate, self cost)."""
+    text = subprocess.run(["callgrind_annotate", "--threshold=100", str(dump)], capture_output=True, text=True,
+                          check=True).stdout
+    out = {}
+    for line in text.splitlines():
+        found = re.match(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*?)\s*$", line)
+        if found and "PROGRAM TOTALS" not in line:
+            name = found.group(2)
+            name = name.split(":", 1)[1] if name.startswith(("???:", "./")) else name
+            for noise in ("void c10::function_ref<void (char**, long const*, long, long)>::callback_fn<",
+                          "at::TensorIteratorBase::loop_2d_from_1d<", "(anonymous namespace)::"):
+                name = name.replace(noise, "")  # torch's kernel wrappers: keep the op's own name
+            out[name[:200]] = out.get(name[:200], 0) + int(found.group(1).replace(",", ""))
+            if len(out) >= top:
+                break
+    return out
+
+
+def functions(args) -> int:
+    """Per preset of --out, the top functions at each length from the dumps kept in --functions-from."""
+    out = args.out or RESULTS / "cost_scaling_instructions.json"
+    doc = json.loads(out.read_text())
+    workdir = Path(args.functions_from)
+    for labels_path in sorted(workdir.glob("labels.*.json")):
+        slug = labels_path.name[len("labels."):-len(".json")]
+        for k, label in enumerate(json.loads(labels_path.read_text()), start=1):
+            name, _, phase = label.partition("|")
+            if name in doc["presets"] and phase.startswith("N "):
+                fns = function_counts(workdir / f"cg.{slug}.{k}", args.top)
+                doc["presets"][name].setdefault("top_functions", {})[phase[2:]] = fns
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
 def driver(args) -> int:
     from kvcompress.bench.machine import describe_machine, load_average
 
@@ -215,6 +252,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workdir", default=None, help="where the callgrind dumps go (kept; default: a temp dir)")
     ap.add_argument("--keep-dumps", action="store_true", help="keep the temporary dumps (callgrind_annotate them)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--functions-from", default=None,
+                    help="add each preset's top functions per length (callgrind_annotate) from the dumps of this "
+                         "--workdir to --out, measuring nothing")
+    ap.add_argument("--top", type=int, default=12, help="with --functions-from: functions kept per length")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--labels", default=None, help=argparse.SUPPRESS)
     return ap
@@ -227,6 +268,8 @@ def main(argv=None) -> int:
         ap.error("--lengths: at least two distinct lengths >= 16; 0 < --keep < 1; --kv-heads >= 1")
     if args.worker:
         return worker(args)
+    if args.functions_from:
+        return functions(args)
     from kvcompress.presets import list_presets
 
     unknown = [p for p in args.presets if p not in list_presets()]
