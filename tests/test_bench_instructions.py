@@ -121,3 +121,19 @@ def test_marginal_exponent_sees_through_a_fixed_cost():
     assert all(1.0 < e < 1.15 for e in instructions.marginal_exponents(lengths, nlogn))
     with pytest.raises(ValueError, match="geometric"):
         instructions.marginal_exponents([1, 2, 5], [1, 2, 3])
+
+
+def test_performance_page_commands_parse():
+    """The bench_cost_instructions.py commands docs/performance.md gives parse, and name real presets."""
+    from kvcompress.presets import list_presets
+    from test_bench import _doc_commands
+
+    spec = importlib.util.spec_from_file_location("bench_cost_instructions",
+                                                  ROOT / "benchmarks" / "bench_cost_instructions.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cmds = _doc_commands("python benchmarks/bench_cost_instructions.py")
+    assert len(cmds) >= 3
+    for argv in cmds:
+        args = bench.parser().parse_args(argv)
+        assert set(args.presets) <= set(list_presets())
