@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CORE_SETTINGS, make_state
@@ -15,6 +15,7 @@ from kvcompress.pipeline import Pipeline
 from kvcompress.presets import get_preset
 from kvcompress.strategies.importance import COPY, ImportanceGuard, copy_of
 
+from test_eval_helpers import TEXT, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401  (fixtures)
 from test_reconstruct import prefill_kv, tiny_llama
 
 VOCAB = ("a", " b", " c", ".", " d", " e", "!", " f")
@@ -49,7 +50,7 @@ def reference_copy(model, ctx, repeat, chunk):
 def test_copy_score_equals_full_attention_reference(chunk):
     model = tiny_llama()
     gen = torch.Generator().manual_seed(4)
-    ctx = torch.randint(0, 50, (2, 17), generator=gen)
+    ctx = torch.randint(0, 50, (2, 13), generator=gen)
     repeat = torch.randint(0, 50, (1, 3), generator=gen)
     got = reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat, chunk=chunk)
     ref = reference_copy(model, ctx, repeat, chunk)
@@ -106,7 +107,7 @@ def test_sentences_only_in_the_highest_copy_heads():
     assert bool(full(states[0].replace(extras={}))[0].eq(chosen[states[0].positions[0]]).all())
 
 
-@CORE_SETTINGS
+@settings(CORE_SETTINGS, max_examples=15)  # each example compresses 3 layers of 256 slots
 @given(seed=st.integers(0, 10_000), keep=st.sampled_from([0.25, 0.5]), heads=st.sampled_from([0.1, 0.25, 0.5, 1.0]),
        other=st.sampled_from([None, 0.0, 0.5, 0.9]))
 def test_copy_head_budgets_sum_to_the_layer_budget(seed, keep, heads, other):
@@ -160,3 +161,38 @@ def test_preset_declares_its_needs_and_copy_errors():
     with pytest.raises(ValueError, match="other_token_share"):
         ImportanceGuard(window_share=0.5, copy_heads=0.5, other_token_share=0.6)
     assert COPY_KEY == COPY
+
+
+def test_live_cache_and_eval_carry_the_same_copy_scores(model, tok):
+    """The prefill hook (live cache) and the eval's pass write the copy scores of a pass computed
+    apart; the preset runs through generate with its budget met."""
+    import kvcompress
+    from kvcompress.eval.caches import Recorder
+    from kvcompress.eval.methods import Method
+    from kvcompress.eval.reconstruction import attach_reconstruction
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+    from kvcompress.hf.reconstruct import prefill_hook, repeat_prompt_ids
+
+    ids = torch.tensor([tok(TEXT, add_special_tokens=False)["input_ids"][:70]])
+    live = CompressedCache.for_model(model, tok, None, backend="sdpa")
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): live})
+    states = live.states()
+    ref = reconstruction_scores(model, states, ids, repeat_ids=repeat_prompt_ids(tok)).copy
+    prefill_hook(tok)(live, model)
+    hooked = [st.extras[COPY_KEY] for st in live.states()]
+    live.close()
+    rec = Recorder.for_configs(model, tok, [Method.parse("kvzip-copy-heads").config(0.25)], backend="sdpa")
+    try:
+        rec.feed(ids)
+        snap = rec.snapshot()
+    finally:
+        rec.close()
+    attach_reconstruction(model, tok, snap, surprisal=True)
+    for r, h, st_ in zip(ref, hooked, snap.states):
+        torch.testing.assert_close(h, r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(st_.extras[COPY_KEY], r, rtol=1e-5, atol=1e-6)
+    res = kvcompress.generate(model, tok, TEXT, "kvzip-copy-heads", budget=0.25, max_new_tokens=3,
+                              question="What is", backend="sdpa", recent=8)
+    assert res.report["budget_met"], res.report.get("budget_note")

@@ -8,14 +8,17 @@ group's query heads and those queries). Beside it the head's copy score from the
 pass over the prefill. Prints the rank correlation over all (layer, head) pairs and the overlap of
 the top quarter by copy score with the top heads by retrieval attention.
 
-    HF_HUB_OFFLINE=1 nice -n 5 python results/issue18-dev4/heads.py > results/issue18-dev4/heads.txt
+    HF_HUB_OFFLINE=1 nice -n 5 python results/issue18-dev4/heads.py [SAMPLES] > results/issue18-dev4/heads.txt
 """
+import sys
+
 import torch
 import transformers
 
 from kvcompress.eval.data import Haystack, token_span
 from kvcompress.eval.facts import fact_samples
 from kvcompress.eval.greedy import build_prompt
+from kvcompress.hf.generate import cache_kwarg
 from kvcompress.hf.loading import load_model
 from kvcompress.hf.reconstruct import reconstruction_scores, repeat_prompt_ids
 
@@ -24,6 +27,7 @@ model, tok = load_model(None)
 model.set_attn_implementation("eager")
 hay = Haystack.load(None)
 samples = fact_samples(tok, hay, [1024], [0.1, 0.3, 0.5, 0.7, 0.9], 2, "number", True, 101)
+samples = samples[: int(sys.argv[1]) if len(sys.argv) > 1 else len(samples)]
 L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
 G = model.config.num_attention_heads // H
 
@@ -50,7 +54,7 @@ for s in samples:
     retr = torch.stack([a[0, :, qrows][:, :, lo:hi].sum(-1).mean(-1).view(H, G).mean(-1) for a in att])  # [L, H]
     cache = transformers.DynamicCache()
     with torch.no_grad():
-        model(input_ids=head, past_key_values=cache, use_cache=True)
+        model(input_ids=head, use_cache=True, **{cache_kwarg(model): cache})
     kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     rec = reconstruction_scores(model, kv, head, repeat_ids=repeat_prompt_ids(tok))
     copy = torch.stack([c[0] for c in rec.copy])  # [L, H]

@@ -18,3 +18,6 @@ if [ $step = all ] || [ $step = qa ]; then
 $PY niah --fact code-word --lengths 1024 $D --samples 2 --budgets 0.25 --presets $M $C --out $O/word
 $PY niah --needle number --lengths 1024 $D --samples 2 --budgets 0.25 --presets $M $C --out $O/number
 fi
+if [ $step = agreement ]; then
+$PY agreement --length 1024 --samples 4 --new-tokens 64 --budgets 0.5,0.25 --presets $M $C --out $O/agreement
+fi
