@@ -53,7 +53,7 @@ MEDIAN_TOKEN_SHARE = 0.3
 SURPRISAL_WEIGHT = 1.0  # sentence rank = rank(median importance) + w * rank(prefill surprisal) (dev, pydoc)
 HYBRID_SENTENCE_SHARE = 0.8  # kvzip-hybrid: sentences by importance + surprisal, shared by every head (dev: 0.4-1.0 tried)
 HYBRID_TOKEN_SHARE = 0.15  # kvzip-hybrid: per-head best tokens by reconstruction score (Ada-KV split)
-COPY_HEADS = 0.25  # kvzip-copy-heads: share of (layer, KV head) pairs, by copy score, that keep the sentences
+COPY_HEADS = 0.05  # kvzip-copy-heads: share of (layer, KV head) pairs, by copy score, that keep the sentences (dev: 0.05-0.5)
 COPY_OTHER_TOKEN_SHARE = 0.5  # kvzip-copy-heads: the other heads' own tokens (kvzip-d2o-tokens' TOKEN_SHARE)
 SCORER = {"name": "reconstruction"}
 
