@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from ..config import PipelineConfig
-from ..hf.reconstruct import (DEFAULT_CHUNK, QUERIES_KEY, STATS_KEY, SURPRISAL_KEY, prefill_surprisal,
+from ..hf.reconstruct import (COPY_KEY, DEFAULT_CHUNK, QUERIES_KEY, STATS_KEY, SURPRISAL_KEY, prefill_surprisal,
                               reconstruction_scores, repeat_prompt_ids)
 from ..pipeline import Pipeline
 from ..validation import require
@@ -28,7 +28,8 @@ QUERY_SAMPLES = 64  # reconstruction queries kept per layer (extras["reconstruct
 def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = DEFAULT_CHUNK,
                           subsample: float = 1.0, surprisal: bool = False) -> float:
     """Run the pass over ``snapshot`` (once: a second call returns 0.0) and attach the scores to its
-    states (stats["reconstruction"] [B, H, T], extras["reconstruction_queries"]); with
+    states (stats["reconstruction"] [B, H, T], extras["reconstruction_queries"], the per-head copy
+    scores extras["reconstruction_copy"] [B, H]); with
     ``surprisal``, also each context token's prefill surprisal (``prefill_surprisal``, once)
     as extras["surprisal"] [B, T], the same tensor in every layer. Returns seconds.
 
@@ -54,6 +55,7 @@ def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = 
         extras = dict(st.extras)
         if rec.queries[i] is not None:
             extras[QUERIES_KEY] = rec.queries[i]
+        extras[COPY_KEY] = rec.copy[i]
         snapshot.states[i] = st.replace(stats={**st.stats, STATS_KEY: rec.scores[i]}, extras=extras)
     return seconds
 
@@ -63,7 +65,7 @@ def _without_pass(snapshot: Snapshot) -> Snapshot:
     if STATS_KEY not in snapshot.states[0].stats:
         return snapshot
     states = [st.replace(stats={k: v for k, v in st.stats.items() if k != STATS_KEY},
-                         extras={k: v for k, v in st.extras.items() if k not in (QUERIES_KEY, SURPRISAL_KEY)})
+                         extras={k: v for k, v in st.extras.items() if k not in (QUERIES_KEY, SURPRISAL_KEY, COPY_KEY)})
               for st in snapshot.states]
     return Snapshot(states=states, token_ids=snapshot.token_ids, vocab=snapshot.vocab, geometry=snapshot.geometry,
                     backend=snapshot.backend)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..strategies.fitted import RECONSTRUCTION_QUERIES
-from ..strategies.importance import STAT, SURPRISAL
+from ..strategies.importance import COPY, STAT, SURPRISAL
 from ..types import NEG_INF, KVState
 from ..validation import check_int, check_range, require
 
@@ -43,6 +43,8 @@ ATTN_NAME = "kvcompress_reconstruct"
 STATS_KEY = STAT  # per-slot statistic [B, H, N]: the reconstruction score
 QUERIES_KEY = RECONSTRUCTION_QUERIES  # carried data [B, Hq, R, D]: sampled reconstruction queries
 SURPRISAL_KEY = SURPRISAL  # carried data [B, T] float32: each context token's prefill surprisal
+COPY_KEY = COPY  # carried data [B, H] float32 per layer: each KV head's copy score in the pass
+COPY_REACH = 1  # a reconstruction query "copies" when it attends to its aligned slot or one either side
 LOGIT_ROWS = 256  # positions per lm_head call when computing surprisal (memory ~ rows * vocab floats)
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 DEFAULT_CHUNK = 512
@@ -56,6 +58,11 @@ class Reconstruction:
     queries:  per layer [B, Hq, R, D] sampled reconstruction queries (rotated, unscaled) or None
     surprisal: [B, T] float32, -log p(token) of each context token as the pass predicts it from the
               cache and the tokens before it (teacher forced), or None when not asked; padding 0
+    copy:     per layer [B, H_kv] float32 (None for a layer not scored): each KV head's copy score,
+              the attention mass a reconstruction query of context token t puts on the cached slots
+              t - 1, t, t + 1 (the token it is reproducing and its neighbours), averaged over the
+              query heads of the group and over the context queries (the repeat prompt's excluded):
+              high in the few "retrieval" heads that copy from far context (RazorAttention, DuoAttention)
     seconds:  wall time of the pass; tokens: tokens fed (prompt repeats included); chunks: forwards
     """
 
@@ -66,6 +73,7 @@ class Reconstruction:
     chunks: int
     meta: dict = field(default_factory=dict)
     surprisal: Tensor | None = None
+    copy: list = field(default_factory=list)
 
 
 class _StopForward(Exception):
@@ -145,6 +153,29 @@ class _Pass:
         self.queries: dict[int, list] = {i: [] for i in scored}
         self.offset = 0  # index of this chunk's first query among all queries of the pass
         self.query_valid: Tensor | None = None  # [B, q] bool
+        self.prompt = 0  # repeat-prompt tokens at the start of the chunk
+        self.start = 0  # context index of the chunk's first context token (= its aligned slot)
+        self.copy = {i: torch.zeros(B, H, dtype=torch.float32, device=layers[i][0].device) for i in scored}
+        self.copy_count = torch.zeros(B, dtype=torch.float32, device=layers[0][0].device)
+
+    def context_valid(self, q: int) -> Tensor:
+        """[B, m] float32: which of the chunk's context queries count (not padding)."""
+        m = q - self.prompt
+        if self.query_valid is None:
+            return torch.ones(self.copy_count.shape[0], m, device=self.copy_count.device)
+        return self.query_valid[:, self.prompt:].float()
+
+    def _copy_mass(self, p: Tensor) -> Tensor:
+        """[B, H]: summed over the chunk's context queries, the attention mass (mean over the G query
+        heads of a group) on the aligned slot start + j and its neighbours. p: [B, H, G, q, N]."""
+        B, H, G, q, N = p.shape
+        m = q - self.prompt
+        at = self.start + torch.arange(m, device=p.device)[:, None] + torch.arange(
+            -COPY_REACH, COPY_REACH + 1, device=p.device)[None]  # [m, 2R+1]
+        inside = ((at >= 0) & (at < N)).float()
+        picked = p[:, :, :, self.prompt:].gather(-1, at.clamp(0, N - 1).expand(B, H, G, m, -1))
+        mass = (picked * inside).sum(-1).mean(2)  # [B, H, m]
+        return (mass * self.context_valid(q)[:, None]).sum(-1)
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         """query [B, Hq, q, D], key/value [B, H, q, D] (this chunk, rotated): attention over the
@@ -171,6 +202,7 @@ class _Pass:
             if self.query_valid is not None:
                 p = p * self.query_valid[:, None, None, :, None]
             self.scores[idx] = torch.maximum(self.scores[idx], p.amax(dim=(2, 3)))
+            self.copy[idx] += self._copy_mass(p)
             if self.stride:
                 first = (-self.offset) % self.stride  # the first index of this chunk on the stride
                 if first < q:
@@ -267,6 +299,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                     run.query_valid = torch.cat([torch.ones(B, P, dtype=torch.bool, device=device), real], 1)
                 else:
                     run.query_valid = None
+                run.prompt, run.start = P, s
                 try:
                     out = model.model(input_ids=ids.clamp(min=0), position_ids=pos, use_cache=False)
                 except _StopForward:
@@ -277,6 +310,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                     hidden = out.last_hidden_state[:, P - 1: P - 1 + m]
                     sur[:, s: s + m] = token_surprisal(model.get_output_embeddings(), hidden, piece)
                 run.offset += q
+                run.copy_count += run.context_valid(q).sum(-1)
                 fed += q
     finally:
         if handle is not None:
@@ -289,6 +323,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
             scores[i] = s.masked_fill(~(kv[i][2] > NEG_INF), 0.0)
     if sur is not None and attention_mask is not None:
         sur = sur.masked_fill(~attention_mask.to(device=device, dtype=torch.bool), 0.0)
+    copy = [run.copy[i] / run.copy_count.clamp(min=1)[:, None] if i in scored else None for i in range(num_layers)]
     queries = [None] * num_layers
     if query_samples:
         for i in scored:
@@ -296,7 +331,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                 queries[i] = torch.cat(run.queries[i], dim=2)[:, :, :query_samples]
     return Reconstruction(scores=scores, queries=queries, seconds=seconds, tokens=fed, chunks=len(starts),
                           meta={"chunk": chunk, "subsample": subsample, "prompt_tokens": P,
-                                "layers": sorted(scored), "context_tokens": T}, surprisal=sur)
+                                "layers": sorted(scored), "context_tokens": T}, surprisal=sur, copy=copy)
 
 
 def token_surprisal(head, hidden: Tensor, targets: Tensor, rows: int = LOGIT_ROWS) -> Tensor:
@@ -342,6 +377,8 @@ def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor
                                     layers=layers, attention_mask=mask, query_samples=query_samples)
         scores = [s if s is not None else torch.zeros_like(st.log_sizes) for s, st in zip(res.scores, states)]
         cache.set_stats(STATS_KEY, scores)
+        cache.set_extras(COPY_KEY, [c if c is not None else torch.zeros_like(st.log_sizes[..., 0])
+                                    for c, st in zip(res.copy, states)])
         if cache.scheduler.needs.surprisal:
             start = time.perf_counter()
             sur = prefill_surprisal(model, ids, attention_mask=mask)

@@ -29,7 +29,12 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   kvzip-sentences-surprisal take ``HYBRID_SENTENCE_SHARE`` of the budget, exact and shared by every
   head and layer; the best tokens per head by reconstruction score (Ada-KV budgets over the heads
   of a layer) ``HYBRID_TOKEN_SHARE``; the recent window and SnapKV's choice the rest; every token
-  left out merges into its most similar kept token (D2O) or is dropped.
+  left out merges into its most similar kept token (D2O) or is dropped;
+- ``kvzip-copy-heads``: kvzip-hybrid's sentences only in the (layer, KV head) pairs that copy
+  (``COPY_HEADS``: the highest copy score of the reconstruction pass, how much a query reproducing
+  token t attends to slot t and its neighbours: the few "retrieval" heads of RazorAttention /
+  DuoAttention); every other head keeps its own best tokens by reconstruction score
+  (``COPY_OTHER_TOKEN_SHARE``, as kvzip-d2o-tokens) and SnapKV's choice, D2O merging the rest.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -48,6 +53,8 @@ MEDIAN_TOKEN_SHARE = 0.3
 SURPRISAL_WEIGHT = 1.0  # sentence rank = rank(median importance) + w * rank(prefill surprisal) (dev, pydoc)
 HYBRID_SENTENCE_SHARE = 0.8  # kvzip-hybrid: sentences by importance + surprisal, shared by every head (dev: 0.4-1.0 tried)
 HYBRID_TOKEN_SHARE = 0.15  # kvzip-hybrid: per-head best tokens by reconstruction score (Ada-KV split)
+COPY_HEADS = 0.05  # kvzip-copy-heads: share of (layer, KV head) pairs, by copy score, that keep the sentences (dev: 0.05-0.5)
+COPY_OTHER_TOKEN_SHARE = 0.5  # kvzip-copy-heads: the other heads' own tokens (kvzip-d2o-tokens' TOKEN_SHARE)
 SCORER = {"name": "reconstruction"}
 
 
@@ -154,6 +161,16 @@ def kvzip_hybrid() -> PipelineConfig:
     the rest, the tokens left out merged into their most similar kept token (D2O) or dropped."""
     return _d2o("kvzip-hybrid", importance_guard(HYBRID_SENTENCE_SHARE, reduce="median", surprisal=SURPRISAL_WEIGHT,
                                                  token_share=HYBRID_TOKEN_SHARE, head_budget="adaptive"))
+
+
+@register_preset("kvzip-copy-heads")
+def kvzip_copy_heads() -> PipelineConfig:
+    """kvzip-hybrid's sentences only in the heads that copy (highest copy score of the reconstruction
+    pass); the other heads as kvzip-d2o-tokens (own best tokens by reconstruction score, SnapKV's
+    choice, D2O merging)."""
+    return _d2o("kvzip-copy-heads", importance_guard(HYBRID_SENTENCE_SHARE, reduce="median", surprisal=SURPRISAL_WEIGHT,
+                                                     token_share=HYBRID_TOKEN_SHARE, head_budget="adaptive",
+                                                     copy_heads=COPY_HEADS, other_token_share=COPY_OTHER_TOKEN_SHARE))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:

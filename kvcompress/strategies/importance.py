@@ -17,6 +17,7 @@ torch here: these strategies only read it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,6 +33,7 @@ from .guards import decided_for
 
 STAT = "reconstruction"
 SURPRISAL = "surprisal"  # extras [B, T] float32: each context token's prefill surprisal (kvcompress.hf.reconstruct)
+COPY = "reconstruction_copy"  # extras [B, H] float32 per layer: each KV head's copy score (kvcompress.hf.reconstruct)
 REDUCES = ("mean", "sum", "max", "median")
 HEAD_BUDGETS = ("uniform", "adaptive")
 
@@ -60,6 +62,18 @@ def surprisal_of(state: KVState, num_tokens: int, who: str = "importance guard")
             f"{who}: {SURPRISAL}", tuple(getattr(x, "shape", ())),
             f"a [B={state.batch_size}, T >= {num_tokens}] tensor (one value per context token)")
     return x[:, :num_tokens].float()
+
+
+def copy_of(state: KVState, who: str = "importance guard") -> Tensor:
+    """[B, H] float32: the layer's per-KV-head copy scores (extras["reconstruction_copy"]); a
+    ValueError saying how to get them."""
+    x = state.extras.get(COPY)
+    require(x is not None, f"{who}: state.extras[{COPY!r}]", None,
+            "each KV head's copy score from the reconstruction pass (kvcompress.hf.reconstruct; "
+            "CompressedCache.for_model(model, tokenizer, ...) runs it)")
+    require(isinstance(x, Tensor) and tuple(x.shape) == (state.batch_size, state.num_heads), f"{who}: {COPY}",
+            tuple(getattr(x, "shape", ())), f"a [B={state.batch_size}, H={state.num_heads}] tensor")
+    return x.float()
 
 
 def ranks01(x: Tensor, eligible: Tensor) -> Tensor:
@@ -153,6 +167,15 @@ class ImportanceGuard:
             ``Needs(surprisal=True)``): with w > 0 a sentence ranks by
             rank(importance) + w * rank(surprisal), ranks in [0, 1] among the candidate
             sentences, so neither signal's scale matters. 0: importance alone
+    copy_heads: share in (0, 1] of the (layer, KV head) pairs that keep the chosen sentences: those
+            with the highest copy score of the reconstruction pass (extras["reconstruction_copy"]:
+            how much a reconstruction query attends to the very token it reproduces; the few
+            "retrieval" heads, RazorAttention / DuoAttention). Every other head gives the sentences'
+            allowance to its own best tokens by reconstruction score (``other_token_share``).
+            1: every head keeps the sentences (the copy score is not read)
+    other_token_share: with ``copy_heads`` < 1, the share of the budget the heads without
+            sentences give to their own best tokens by reconstruction score (the rest of their
+            budget: SnapKV's choice and merging); None: share + token_share (the whole allowance)
     ends:   characters that end a sentence
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
@@ -165,8 +188,19 @@ class ImportanceGuard:
 
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
+                 copy_heads: float = 1.0, other_token_share: float | None = None,
                  ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
+        check_range("copy_heads", copy_heads, 0.0, 1.0, lo_open=True)
+        self.copy_heads = float(copy_heads)
+        if other_token_share is not None:
+            check_range("other_token_share", other_token_share, 0.0, 1.0)
+            require(other_token_share + window_share <= 1.0 + 1e-9, "other_token_share", other_token_share,
+                    f"at most 1 - window_share = {1.0 - window_share:g} (one budget)")
+        self.other_token_share = None if other_token_share is None else float(other_token_share)
+        self._copy_thr: Tensor | None = None  # [B] lowest copy score of a sentence-keeping head
+        self._allowance: Tensor | None = None  # [B] the sentences' allowance per head
+        self._other: Tensor | None = None  # [B] own tokens of a head without sentences
         self.surprisal = float(surprisal)
         check_range("share", share, 0.0, 1.0)
         check_range("token_share", token_share, 0.0, 1.0)
@@ -189,7 +223,8 @@ class ImportanceGuard:
 
     def __repr__(self) -> str:
         return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
-                f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal})")
+                f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
+                f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share})")
 
     @property
     def needs(self) -> Needs:
@@ -233,6 +268,14 @@ class ImportanceGuard:
         self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
         self._cap = (room - allowance - self._window).clamp(min=0)  # what sentences and window leave
+        self._allowance = allowance
+        self._other = (allowance + self._tokens if self.other_token_share is None
+                       else torch.floor(room.to(torch.float64) * self.other_token_share).long())
+        self._copy_thr = None
+        if self.copy_heads < 1.0:
+            x = torch.stack([copy_of(st) for st in states], 1).flatten(1)  # [B, L * H]
+            k = int(math.ceil(self.copy_heads * x.shape[1] - 1e-9))
+            self._copy_thr = x.topk(k, dim=-1).values[:, -1].to(ids.device)
 
     def chosen_tokens(self) -> Tensor | None:
         """[B, T0] bool: tokens of the chosen sentences (None before ``prepare``)."""
@@ -248,19 +291,27 @@ class ImportanceGuard:
         inside = (pos >= 0) & (pos < keep.shape[1])
         hit = keep.gather(1, pos.clamp(0, keep.shape[1] - 1).reshape(B, H * N)).view(B, H, N)
         mask = hit & inside & state.valid
-        if self.token_share > 0:
+        dev = pos.device
+        tokens = self._tokens.to(dev)[:, None].expand(B, H)  # [B, H] exact tokens of each head's own choice
+        cap = self._cap.to(dev)[:, None].expand(B, H)
+        if self._copy_thr is not None:
+            sentences = copy_of(state).to(dev) >= self._copy_thr.to(dev)[:, None]  # [B, H]
+            mask &= sentences[..., None]
+            other = self._other.to(dev)[:, None]
+            # a head without sentences: its own tokens, within what the window leaves
+            tokens = torch.where(sentences, tokens, other)
+            cap = torch.where(sentences, cap, (self._cap + self._allowance).to(dev)[:, None])
+        if bool((tokens > 0).any()):
             from .eviction import rank_desc
 
             free = state.valid & ~mask
             scores = reconstruction_stat(state, "importance guard")
             rank = rank_desc(scores, free)
-            tokens = self._tokens.to(rank.device)[:, None, None]  # [B, 1, 1]
             if self.head_budget == "adaptive":
-                cap = torch.minimum(2 * tokens, self._cap.to(rank.device)[:, None, None])
-                capped = free & (rank < cap)
-                mask |= adaptive_keep(scores, capped, tokens[..., 0].expand(B, H), head_floor=0.0)
+                capped = free & (rank < torch.minimum(2 * tokens, cap)[..., None])
+                mask |= adaptive_keep(scores, capped, tokens, head_floor=0.0)
             else:
-                mask |= free & (rank < tokens)
+                mask |= free & (rank < tokens[..., None])
         if self.window_share > 0:
             from .eviction import rank_desc
 
