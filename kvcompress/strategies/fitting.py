@@ -28,6 +28,11 @@ With power = 1 the member sums count every query (one matrix-vector product give
 that does not see the cluster (see TINY) adds < TINY of a row to them. With another power the
 members' weights are formed per (cluster, query) from the seen queries only.
 
+After the per-cluster fit, ``refine_jointly`` moves the fitted slots of each head together
+against the head's output error over the reference queries (a few soft-sign key steps, then one
+ridge least-squares solve of the values): the per-cluster fit matches every cluster alone, and in
+a row their errors add up.
+
 Both fits shrink toward the proportional answer (mean value, beta = log sum exp(b)) with
 ``ridge`` pseudo-queries against the weights' effective number of queries, so a cluster no
 reference query looks at keeps the proportional answer. Everything is computed in float32 on
