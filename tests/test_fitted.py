@@ -73,6 +73,26 @@ def test_grouped_query_heads_still_halve_the_error(seed):
     assert fit_err * 2 <= mean_err, (mean_err, fit_err)
 
 
+def test_joint_steps_lower_the_per_cluster_fits_error_on_its_queries_and_on_fresh_ones():
+    """Two query heads per KV head, clusters of 4 and 8: the joint key steps and value solve
+    (refine) never raise the closed form's error on the reference queries, lower it by 3% or more
+    in every case, on fresh queries of the same heads too, and by a quarter on average."""
+    ratios = []
+    for seed in range(6):
+        for size, spread in ((4, 0.3), (8, 0.5)):
+            state, parent = clustered_state(seed, G=2, size=size, spread=spread)
+            q = state.extras["reference_queries"]
+            g = torch.Generator().manual_seed(99 + seed)
+            fresh = q.mean(2, keepdim=True) + 0.1 * 2.0 * 16 ** 0.25 * torch.randn(q.shape, generator=g)
+            closed, joint = fitted(refine=0)(state, parent), fitted()(state, parent)
+            for queries in (q, fresh):
+                full = outputs(state, queries)
+                ratio = rel_err(joint, full, queries) / rel_err(closed, full, queries)
+                assert ratio <= 0.97, (seed, size, ratio)
+                ratios.append(ratio)
+    assert sum(ratios) / len(ratios) <= 0.8, ratios
+
+
 def test_fitted_generalises_to_fresh_queries_of_the_same_heads():
     state, parent = clustered_state(7)
     g = torch.Generator().manual_seed(99)
@@ -178,13 +198,16 @@ def test_refitting_a_state_equals_fitting_its_expanded_cache(seed, key, power):
         plans.append(plan)
     expanded = KVState(keys=ek, values=ev, log_sizes=els, num_tokens=T,
                        positions=torch.arange(T).expand(1, H, T).clone(), extras={"reference_queries": q})
-    merger = fitted(key=key, power=power)
-    a = merger(state, parent)
-    b = merger(expanded, torch.stack(plans)[None])
-    M = a.num_slots
-    assert torch.allclose(a.log_sizes, b.log_sizes[..., :M], atol=1e-5)
-    assert torch.allclose(a.keys, b.keys[..., :M, :], atol=1e-5)
-    assert torch.allclose(a.values, b.values[..., :M, :], atol=1e-5)
+    # the closed form to rounding; the joint steps after it to their amplified rounding (a soft
+    # sign step of ~0.7 logits and an accept / reject by the error turn 1e-7 into ~1e-5)
+    for refine, tol in ((0, 1e-5), (3, 1e-3)):
+        merger = fitted(key=key, power=power, refine=refine)
+        a = merger(state, parent)
+        b = merger(expanded, torch.stack(plans)[None])
+        M = a.num_slots
+        assert torch.allclose(a.log_sizes, b.log_sizes[..., :M], atol=tol)
+        assert torch.allclose(a.keys, b.keys[..., :M, :], atol=tol), float((a.keys - b.keys[..., :M, :]).abs().max())
+        assert torch.allclose(a.values, b.values[..., :M, :], atol=tol)
 
 
 @given(seed=st.integers(0, 10_000), n=st.integers(4, 24), d=st.sampled_from([4, 8, 16]), R=st.integers(2, 16),

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from conftest import CORE_SETTINGS
 from kvcompress.strategies.fitted import _differs_from
-from kvcompress.strategies.fitting import MAX_LOG_RATIO, TINY, fit_clusters
+from kvcompress.strategies.fitting import (MAX_LOG_RATIO, SETTLED, SOFT_SIGN_KNEE, TINY, VALUE_RIDGE, fit_clusters,
+                                           refine_jointly, row_part)
 
 
 def _weights(share: torch.Tensor, seen: torch.Tensor, power: float):
@@ -157,3 +158,86 @@ def test_identical_keys_are_found_bit_for_bit(dtype, seed):
     want = (keys.view(ints) != rep.view(ints)).any(-1)
     assert torch.equal(_differs_from(keys, other), want)
     assert bool(_differs_from(keys, other)[0, 0, 1])  # -0.0 against 0.0: a different bit pattern
+
+
+def slow_refine(keys, values, bias, fit, queries, targets, *, scale, steps, step):
+    """refine_jointly written out per (batch, head) in float64: the key gradient by autograd, the
+    value correction by the primal ridge least squares over the fitted slots (F x F)."""
+    B, H, M, D = keys.shape
+    out_k, out_v = keys.double().clone(), values.double().clone()
+    for b in range(B):
+        for h in range(H):
+            k, v, s_b = keys[b, h].double(), values[b, h].double(), bias[b, h].double()
+            q, target, f = queries[b, h].double(), targets[b, h].double(), fit[b, h]
+
+            def attention(k):
+                s = q @ k.T * scale + s_b  # [P, M]
+                if not bool(torch.isfinite(s).any()):
+                    return torch.zeros_like(s)
+                return s.softmax(-1).nan_to_num(0.0)  # a row of padding only: no attention
+
+            def err(k):
+                return float((attention(k) @ v - target).square().sum())
+
+            lr = step / (scale * float(q.abs().sum(-1).mean()))
+            best, best_err = k, err(k)
+            for _ in range(steps):
+                kk = best.clone().requires_grad_(True)
+                (attention(kk) @ v - target).square().sum().backward()
+                grad = kk.grad * f[:, None]
+                knee = SOFT_SIGN_KNEE * grad.abs().amax(-1, keepdim=True)
+                gate = min(1.0, math.sqrt(best_err / max(float(target.square().sum()), TINY)) / SETTLED)
+                soft = torch.where(knee > 0, grad / (grad.abs() + knee), 0.0)
+                new = best - lr * gate * soft
+                new_err = err(new)
+                if new_err <= best_err:
+                    best, best_err = new, new_err
+                else:
+                    lr /= 2
+            a = attention(best)[:, f]  # [P, F]
+            res = target - attention(best) @ v
+            if a.numel() and float(a.square().sum()) > 0:
+                ridge = VALUE_RIDGE * float(a.square().sum()) / a.shape[0]
+                delta = torch.linalg.solve(a.T @ a + ridge * torch.eye(a.shape[1], dtype=a.dtype), a.T @ res)
+                v = v.clone()
+                v[f] += delta
+            out_k[b, h], out_v[b, h] = best, v
+    return out_k, out_v
+
+
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 2), M=st.integers(1, 12),
+       D=st.sampled_from([2, 4, 8]), P=st.integers(1, 10), pad=st.integers(0, 2), steps=st.integers(0, 3),
+       step=st.sampled_from([0.2, 0.7, 2.0]), near=st.booleans())
+@settings(CORE_SETTINGS, max_examples=60)
+def test_refine_jointly_equals_the_slow_per_head_loop(seed, B, H, M, D, P, pad, steps, step, near):
+    """The vectorised joint refinement equals autograd steps and a primal ridge solve per head."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, M, D, generator=g)
+    values = torch.randn(B, H, M, D, generator=g)
+    bias = torch.randint(1, 4, (B, H, M), generator=g).float().log()
+    pad = min(pad, M - 1)
+    bias[..., :pad] = -math.inf
+    fit = torch.rand(B, H, M, generator=g) < 0.6
+    fit[..., :pad] = False
+    queries = 1.5 * torch.randn(B, H, P, D, generator=g)
+    scale = 1 / math.sqrt(D)
+    a = (torch.einsum("bhpd,bhmd->bhpm", queries, keys) * scale + bias[:, :, None]).softmax(-1)
+    exact = a @ values
+    # targets near the slots' own outputs (an almost settled head) or anywhere
+    targets = exact + (1e-4 if near else 0.5) * torch.randn(B, H, P, D, generator=g)
+    # the moving slots are the fitted ones (the others' rows empty: bias -inf), the rest of the rows the others
+    rest = row_part(keys, values, bias.masked_fill(fit, -math.inf), queries, scale)
+    got_k, got_v = refine_jointly(keys, values, bias.masked_fill(~fit, -math.inf), rest, queries, targets,
+                                  scale=scale, steps=steps, step=step, dtype=torch.float32)
+    want_k, want_v = slow_refine(keys, values, bias, fit, queries, targets, scale=scale, steps=steps, step=step)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert bool(torch.isfinite(got).all())
+        err = float((got.double() - want).abs().max())
+        assert err <= 1e-3 * (1 + float(want.abs().max())), err
+    # only the fitted slots move, and not at all for the others (bit for bit)
+    assert torch.equal(got_k[~fit], keys[~fit]) and torch.equal(got_v[~fit], values[~fit])
+    # the error over the reference queries never rises
+    def out_err(k, v):
+        att = (torch.einsum("bhpd,bhmd->bhpm", queries, k) * scale + bias[:, :, None]).softmax(-1)
+        return float((att @ v - targets).square().sum())
+    assert out_err(got_k, got_v) <= out_err(keys, values) * (1 + 1e-5) + 1e-9

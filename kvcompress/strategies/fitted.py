@@ -27,9 +27,10 @@ from ..protocols import Needs
 from ..registry import register_merger
 from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
-from .fitting import fit_clusters
+from .fitting import fit_clusters, refine_jointly, row_part
 from .mergers import apply_merge_plan, is_identity_plan
 
+NEG_INF = float("-inf")
 REFERENCE_QUERIES = "reference_queries"  # extras: [B, Hq, R, D] strided prefill queries (rotated)
 RECONSTRUCTION_QUERIES = "reconstruction_queries"  # extras: [B, Hq, R, D] from the reconstruction pass
 WINDOW_QUERIES = "queries"  # extras: [B, Hq, W, D] the last W queries of the layer (query_window)
@@ -109,6 +110,11 @@ class FittedMerger:
                        the merger did before fitting once) or "each+once" (both: every round
                        fits, then the final slots are refitted against the original members,
                        shrinking toward the rounds' fitted slots)
+    refine:            after the per-cluster fit, ``refine`` soft-sign gradient steps on the fitted
+                       keys of the head's joint output error over the reference queries, then one
+                       ridge least-squares solve of the fitted values against it (the slots
+                       compensate each other); 0 = the per-cluster closed form only
+    refine_step:       the key steps' size in logit units (a step moves no query's logit by more)
     """
 
     queries: str = "window"
@@ -118,6 +124,8 @@ class FittedMerger:
     ridge: float = 1.0
     scale: float | None = None
     rounds: str = "once"
+    refine: int = 3
+    refine_step: float = 0.7
 
     def __post_init__(self):
         query_sources(self.queries)
@@ -126,6 +134,9 @@ class FittedMerger:
         check_choice("rounds", self.rounds, ROUND_MODES)
         check_range("power", self.power, 0.0, 8.0)
         check_range("ridge", self.ridge, 0.0, 1e6)
+        check_int("refine", self.refine, 0)
+        require(self.refine <= 16, "refine", self.refine, "an integer in [0, 16] (key steps)")
+        check_range("refine_step", self.refine_step, 0.0, 8.0)
         if self.scale is not None:
             check_range("scale", self.scale, 0.0, 1e3, lo_open=True)
 
@@ -212,13 +223,24 @@ class FittedMerger:
             scale=scale, power=self.power, ridge=self.ridge, key=self.key,
         )
 
-        def put(x: Tensor, fitted: Tensor) -> Tensor:  # the fitted rows into a copy of the merge's x
-            out = x.reshape(rows * M, -1).clone()
-            out.index_copy_(0, fit_rows, fitted.reshape(-1, out.shape[1]).index_select(0, at).to(x.dtype))
+        def put(x: Tensor, fitted: Tensor, dtype: torch.dtype) -> Tensor:  # the fitted rows into a copy of x
+            out = x.reshape(rows * M, -1).to(dtype, copy=True)
+            out.index_copy_(0, fit_rows, fitted.reshape(-1, out.shape[1]).index_select(0, at).to(dtype))
             return out.view(x.shape)
 
-        return merged.replace(keys=put(merged.keys, res.keys), values=put(merged.values, res.values),
-                              log_sizes=put(merged.log_sizes, res.bias), counts=counts)
+        keys, values = res.keys, res.values
+        if self.refine:
+            # the slots that are not fitted stay put: their part of the rows is computed once
+            rest = row_part(merged.keys, merged.values, merged.log_sizes.float().masked_fill(fit, NEG_INF),
+                            queries, scale)
+            live = torch.zeros(rows * K, dtype=torch.bool, device=dev).index_fill_(0, at, True).view(B, H, K)
+            keys, values = refine_jointly(keys, values, res.bias.masked_fill(~live, NEG_INF), rest, queries,
+                                          res.targets, scale=scale, steps=self.refine, step=self.refine_step,
+                                          dtype=merged.keys.dtype)
+        # only the fitted rows change: everything else stays the merge's, bit for bit
+        return merged.replace(keys=put(merged.keys, keys, merged.keys.dtype),
+                              values=put(merged.values, values, merged.values.dtype),
+                              log_sizes=put(merged.log_sizes, res.bias, merged.log_sizes.dtype), counts=counts)
 
 
 def _flat_index(index: Tensor, width: int) -> Tensor:

@@ -28,6 +28,11 @@ With power = 1 the member sums count every query (one matrix-vector product give
 that does not see the cluster (see TINY) adds < TINY of a row to them. With another power the
 members' weights are formed per (cluster, query) from the seen queries only.
 
+After the per-cluster fit, ``refine_jointly`` moves the fitted slots of each head together
+against the head's output error over the reference queries (a few soft-sign key steps, then one
+ridge least-squares solve of the values): the per-cluster fit matches every cluster alone, and in
+a row their errors add up.
+
 Both fits shrink toward the proportional answer (mean value, beta = log sum exp(b)) with
 ``ridge`` pseudo-queries against the weights' effective number of queries, so a cluster no
 reference query looks at keeps the proportional answer. Everything is computed in float32 on
@@ -59,12 +64,14 @@ class FitResult:
     keys, values: [B, H, M, D] float32
     bias:         [B, H, M] float32
     n_eff:        [B, H, M] float32, effective number of reference queries behind the bias fit
+    targets:      [B, H, P, D] float32, the uncompressed rows' outputs over the reference queries
     """
 
     keys: Tensor
     values: Tensor
     bias: Tensor
     n_eff: Tensor
+    targets: Tensor
 
 
 def _weights(share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -203,4 +210,123 @@ def fit_clusters(
     else:
         value_fit = member_mean(norm2 * rho, v32).add_(torch.matmul(norm2 * (1.0 - rho), row_out))
     slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])
-    return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff)
+    return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff, targets=row_out)
+
+
+# the soft sign's knee, as a share of a slot's largest key-gradient entry: entries well above it
+# move a full step (the sign of the gradient, as Adam's first steps do), entries below it move in
+# proportion (continuous in the inputs; a slot no query sees does not move)
+SOFT_SIGN_KNEE = 0.1
+
+# a head whose slots already reproduce its rows' outputs to this relative error takes a
+# proportionally smaller key step: near an exact fit the gradient is rounding noise, whose sign
+# must not move keys a full step
+SETTLED = 0.01
+
+# the joint value solve's ridge, relative to the mean attention a query pays the fitted slots
+# (squared): how far the values may move from the per-cluster fit to serve the queries together
+VALUE_RIDGE = 1.0
+
+
+@dataclass(frozen=True)
+class RowPart:
+    """The slots that stay put, summed per query row: their top logit, mass and numerator
+    (relative to that top), so that the moving slots' steps recompute only their own logits.
+
+    top:  [B, H, P] float32 (-inf where none of these slots is seen); mass: [B, H, P]; num: [B, H, P, D]
+    """
+
+    top: Tensor
+    mass: Tensor
+    num: Tensor
+
+
+def row_part(keys: Tensor, values: Tensor, bias: Tensor, queries: Tensor, scale: float) -> RowPart:
+    """keys, values: [B, H, M, D], bias: [B, H, M] (-inf: not part of it), queries: [B, H, P, D]."""
+    s = torch.matmul(keys.float(), queries.float().transpose(-1, -2)).mul_(scale).add_(bias.float()[..., None])
+    top = s.amax(dim=2)  # -inf where none of the slots is seen (mass and num 0 then)
+    e = s.sub_(torch.where(top > NEG_INF, top, 0.0)[:, :, None]).exp_()  # [B, H, M, P]
+    return RowPart(top=top, mass=e.sum(2), num=torch.matmul(e.transpose(-1, -2), values.float()))
+
+
+def _attention(keys: Tensor, values: Tensor, bias: Tensor, q: Tensor, scale: float, rest: RowPart):
+    """The moving slots' attention a [B, H, K, P] and the rows' outputs [B, H, P, D], the rows
+    being these slots and ``rest`` (a query whose row is all padding: zeros, not NaN)."""
+    s = torch.matmul(keys, q.transpose(-1, -2)).mul_(scale).add_(bias[..., None])
+    top = torch.maximum(s.amax(dim=2), rest.top)  # [B, H, P]
+    top = torch.where(top > NEG_INF, top, 0.0)
+    e = s.sub_(top[:, :, None]).exp_()
+    shift = (rest.top - top).exp_()  # the rest's terms against the new top
+    inv = (e.sum(2) + rest.mass * shift).clamp(min=TINY).reciprocal_()  # [B, H, P]
+    out = torch.matmul(e.transpose(-1, -2), values).add_(rest.num * shift[..., None]).mul_(inv[..., None])
+    return e.mul_(inv[:, :, None]), out
+
+
+def refine_jointly(
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    rest: RowPart,
+    queries: Tensor,
+    targets: Tensor,
+    *,
+    scale: float,
+    steps: int,
+    step: float,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Move the fitted slots' keys and values so that the head's slots TOGETHER reproduce the
+    uncompressed rows' outputs over the reference queries (the per-cluster fit matches each cluster
+    alone; errors of neighbouring clusters add up in a row).
+
+    keys, values: [B, H, K, D] float32, the fitted slots (from fit_clusters)
+    bias:         [B, H, K] float32, their bias, unchanged (-inf: an empty row, which never moves)
+    rest:         the other slots of the rows (singletons, identical members), which stay put
+    queries:      [B, H, P, D] reference queries; targets: [B, H, P, D] the uncompressed rows' outputs
+    steps, step:  soft-sign gradient steps on the keys of the rows' squared output error, ``step``
+                  in logit units (a full step moves a query's logit by at most ``step``: scaled by
+                  the head's mean |q|_1; smaller for a head already within SETTLED of its
+                  targets; a step that does not lower the head's error is undone and the next is
+                  half as long); then the values by one ridge least squares over the queries
+                  (P x P per head: the fewest-change correction, toward the per-cluster fit)
+    dtype:        the cache's dtype: every step sees the keys as attention will
+    returns the keys and values, [B, H, K, D] float32; the error over the reference queries is
+    never above the per-cluster fit's
+    """
+    q = queries.float()
+    lr = step / (q.abs().sum(-1).mean(-1) * scale).clamp(min=TINY)  # [B, H]
+    scale_t = targets.square().sum((-2, -1)).clamp(min=TINY)  # [B, H]
+    best_err = torch.full_like(lr, float("inf"))
+    for t in range(steps + 1):
+        a, out = _attention(keys, values, bias, q, scale, rest)  # [B, H, K, P], [B, H, P, D]
+        g = out - targets
+        err = g.square().sum((-2, -1))  # [B, H]
+        better = err <= best_err
+        best_err = torch.where(better, err, best_err)
+        if t > 0:
+            lr = torch.where(better, lr, lr * 0.5)
+            b4 = better[..., None, None]
+            best_keys, best_a, best_out = (torch.where(b4, keys, best_keys), torch.where(b4, a, best_a),
+                                           torch.where(b4, out, best_out))
+        else:
+            best_keys, best_a, best_out = keys, a, out
+        if t == steps:
+            break
+        # d err / d logit of slot j for query r: a_jr (v_j - out_r) . g_r; the step goes from the
+        # best keys, along their gradient
+        c = torch.matmul(values, g.transpose(-1, -2)).sub_((out * g).sum(-1)[:, :, None]).mul_(a)
+        here = torch.matmul(c, q)  # [B, H, K, D], the logit scale folded into lr's sign step
+        grad = torch.where(b4, here, grad) if t > 0 else here
+        knee = grad.abs().amax(-1, keepdim=True).mul_(SOFT_SIGN_KNEE).clamp(min=TINY)
+        # a head within SETTLED of its targets moves proportionally less: rounding noise's sign
+        # must not move a key a full step
+        gate = (best_err / scale_t).sqrt_().div_(SETTLED).clamp_(max=1.0)
+        keys = (best_keys - (lr * gate)[..., None, None] * grad / (grad.abs() + knee)).to(dtype).float()
+    a = best_a
+    res = targets - best_out
+    gram = torch.matmul(a.transpose(-1, -2), a)  # [B, H, P, P]
+    ridge = gram.diagonal(dim1=-2, dim2=-1).mean(-1) * VALUE_RIDGE  # [B, H]
+    seen = ridge > TINY
+    eye = torch.eye(gram.shape[-1], device=gram.device)
+    x = torch.linalg.solve(gram + torch.where(seen, ridge, 1.0)[..., None, None] * eye, res)
+    return best_keys, values + torch.matmul(a, x * seen[..., None, None])

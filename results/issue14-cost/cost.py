@@ -1,6 +1,7 @@
 """Fitting cost against an 8k prefill, SmolLM2-135M, one process, interleaved (issue 14, target <= 2%).
 
     python results/issue14-cost/cost.py --tokens 8192 --R 64,32 --repeats 3 --out results/issue14-cost/cost.json
+    (--refine 0,3: the fitted merger with each number of joint steps, 0 = the closed form only)
 Times (1) the model's 8k prefill (stock SDPA, no cache compression), (2) per preset the pipeline's
 compression of all 30 layers with the mean merger and with the fitted merger, on the real cache of
 that prefill (the fitted merger as in the fitted presets: the layer's last R queries, which the
@@ -28,6 +29,7 @@ p.add_argument("--presets", default="centroidkv,semanticache-fixed64")
 p.add_argument("--budgets", default="0.5,0.25")
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--queries", default="window", choices=["window", "prefill"])
+p.add_argument("--refine", default=None, help="the fitted merger's refine steps, several comma-separated (default: its default)")
 p.add_argument("--out", required=True)
 a = p.parse_args()
 Rs = [int(r) for r in str(a.R).split(",")]
@@ -61,11 +63,15 @@ for rep in range(a.repeats):
     times["prefill"].append(prefill(False))
     for preset in a.presets.split(","):
         for budget in map(float, a.budgets.split(",")):
-            for merger in ("mean", *(f"fitted-R{r}" for r in Rs)):
+            refines = [None] if a.refine is None else [int(x) for x in a.refine.split(",")]
+            for merger in ("mean", *(f"fitted-R{r}" + ("" if f is None else f"-refine{f}") for r in Rs for f in refines)):
                 cfg = get_preset(preset, keep_ratio=budget)
                 if merger != "mean":
-                    r = int(merger.split("-R")[1])
-                    cfg = cfg.replace(merger=StrategySpec("fitted", {"queries": a.queries, "reference_queries": r}))
+                    r = int(merger.split("-R")[1].split("-")[0])
+                    params = {"queries": a.queries, "reference_queries": r}
+                    if "-refine" in merger:
+                        params["refine"] = int(merger.split("-refine")[1])
+                    cfg = cfg.replace(merger=StrategySpec("fitted", params))
                 pipe = Pipeline(cfg)
                 t = time.perf_counter()
                 for l, st in enumerate(states):
