@@ -87,7 +87,10 @@ def _weights(share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
         top = share.amax(-1, keepdim=True).clamp(min=TINY)
         w = torch.where(share > 0, (share / top).pow(power), 0.0)
     total = w.sum(-1, keepdim=True)
-    inv = torch.where(total > 0, total.clamp(min=TINY).reciprocal(), 0.0)
+    # not clamped at TINY: a seen share is >= TINY / N, and the fitted share of the value step
+    # (share / rho, rho up to e**MAX_LOG_RATIO) legitimately lies below TINY; float32's smallest
+    # normal keeps the reciprocal finite
+    inv = torch.where(total > 0, total.clamp(min=torch.finfo(total.dtype).tiny).reciprocal(), 0.0)
     norm = w * inv  # in [0, 1]: its squares cannot underflow as w's might
     n_eff = torch.where(total[..., 0] > 0, torch.linalg.vecdot(norm, norm).clamp(min=TINY).reciprocal(), 0.0)
     return norm, n_eff, inv
