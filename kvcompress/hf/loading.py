@@ -86,7 +86,10 @@ def prune_cache(folder: Path, prefix: str, keep: str, stale_s: float = 3600.0) -
                     continue
             except OSError:
                 continue
-        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
         removed.append(entry)
     return removed
 
