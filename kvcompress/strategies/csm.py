@@ -48,6 +48,7 @@ class CSMChunker:
     """
 
     size: int = 256
+    holes_ok = True  # sees slots through valid and slot order only (HoleTolerant: rounds in place)
 
     def __post_init__(self):
         check_int("size", self.size, 2)  # a chunk of one slot has no A/B pair
@@ -153,6 +154,7 @@ class ChunkedSoftMatching:
 
     # decode-time compression re-clusters every clusterable slot: centroids keep absorbing tokens
     decode_scope = "all"
+    holes_ok = True  # chunks, A/B splits, quotas and edge order from valid slots in slot order (HoleTolerant)
 
     def __post_init__(self):
         check_range("r_init", self.r_init, 0.0, 0.5, lo_open=True)

@@ -56,8 +56,16 @@ def build_segments(chunk_ids: Tensor, min_length: int = 1) -> SegmentLayout:
     inside = chunk_ids >= 0
     big = torch.iinfo(torch.long).max
     key = torch.where(inside, chunk_ids, torch.full_like(chunk_ids, big))
-    # stable: slots of one chunk stay in slot order
-    sorted_key, order = torch.sort(key, dim=1, stable=True)  # [R, N]
+    # chunkers give ids non-decreasing along N among the clustered slots (the Chunker contract):
+    # the stable sort is then a stable partition, clustered slots first, each part in slot order,
+    # which prefix counts give without sorting; any other input falls back to the sort
+    ins = inside.long()
+    rank_in = ins.cumsum(1)
+    dest = torch.where(inside, rank_in - 1, rank_in[:, -1:] + torch.arange(N, device=device) - rank_in)
+    order = torch.empty_like(dest).scatter_(1, dest, torch.arange(N, device=device).expand(R, N))
+    sorted_key = key.gather(1, order)
+    if not bool((sorted_key[:, 1:] >= sorted_key[:, :-1]).all()):
+        sorted_key, order = torch.sort(key, dim=1, stable=True)  # [R, N], stable: slot order kept
     sorted_inside = sorted_key != big
     change = torch.ones_like(sorted_inside)
     change[:, 1:] = sorted_key[:, 1:] != sorted_key[:, :-1]
