@@ -182,3 +182,54 @@ def test_importance_csm_presets_in_place_equal_compacted(name):
         want, rep_ref = slow.compress(st, i)
         _same_state(got, want)
         assert rep.rounds == rep_ref.rounds > 1
+
+
+class _Fixed:
+    """A clusterer that returns one given plan (for the pipeline's plan checks)."""
+
+    def __init__(self, parent):
+        self.parent = parent
+
+    def __call__(self, state, chunk_ids, target, round_idx=0):
+        from kvcompress.protocols import ClusterPlan
+
+        return ClusterPlan(self.parent.clone(), done=True)
+
+
+@pytest.mark.parametrize("bad", ["protected", "into_protected", "across_chunks", "unchunked"])
+def test_plan_checks_reject_every_broken_invariant(bad):
+    N = 32
+    state = _state(0, 1, 1, N, 4, 0)
+    pipe = kc.Pipeline("centroidkv", keep_ratio=0.5, sinks=2, recent=2, **{"chunker.size": 8})
+    chunks = pipe.chunking(state, 0)
+    slot = torch.arange(N).view(1, 1, N)
+    parent = slot.clone()
+    ids = chunks.chunk_ids[0, 0]
+    if bad == "protected":
+        parent[0, 0, 0] = 5  # a sink merged away
+    elif bad == "into_protected":
+        parent[0, 0, 5] = 0  # a slot merged into a sink
+    elif bad == "across_chunks":
+        a, b = int((ids == 0).nonzero()[0]), int((ids == 1).nonzero()[0])
+        parent[0, 0, b] = a
+    else:
+        chunks_ids = chunks.chunk_ids.clone()
+        pipe.chunker = lambda st, prot: torch.where(slot == 7, -1, chunks_ids)  # slot 7 in no chunk
+        parent[0, 0, 7] = int((ids == ids[7]).nonzero()[0]) if int((ids == ids[7]).nonzero()[0]) != 7 else 6
+    pipe.clusterer = _Fixed(parent)
+    with pytest.raises(RuntimeError, match="clusterer"):
+        pipe.compress(state, 0)
+
+
+def test_plan_checks_accept_a_valid_merge():
+    N = 32
+    state = _state(1, 1, 1, N, 4, 0)
+    pipe = kc.Pipeline("centroidkv", keep_ratio=0.5, sinks=2, recent=2, on_infeasible="best_effort",
+                       **{"chunker.size": 8})
+    ids = pipe.chunking(state, 0).chunk_ids[0, 0]
+    parent = torch.arange(N).view(1, 1, N).clone()
+    members = (ids == 0).nonzero().squeeze(1)
+    parent[0, 0, members[1:]] = int(members[0])  # chunk 0 into its first slot
+    pipe.clusterer = _Fixed(parent)
+    out, _ = pipe.compress(state, 0)
+    assert out.num_slots == N - (members.numel() - 1)
