@@ -32,8 +32,12 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.bench import cost
-from kvcompress.bench.machine import describe_machine, load_average
+# the checkout this script lives in, not whichever kvcompress the environment installed (an
+# editable install of another worktree would otherwise be the code timed)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcompress.bench import cost  # noqa: E402
+from kvcompress.bench.machine import describe_machine, load_average  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SKIP_DEFAULT = ("semanticache-global",)  # GSC over a whole head: O(N^2) by design (an ablation), timed on 1 layer

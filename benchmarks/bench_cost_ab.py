@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the working tree's kvcompress (B), not an installed one of another checkout
 
 
 def old_module(name: str, ref: str) -> types.ModuleType:

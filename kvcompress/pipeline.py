@@ -17,8 +17,8 @@ from torch import Tensor
 
 from .budget import target_slots as budget_slots
 from .config import PipelineConfig, as_config
-from .protocols import (ClusterPlan, CrossLayerGuard, FitsComposedPlan, FloorAware, Needs, PersistentGuard,
-                        budget_scope_of, needs_of)
+from .protocols import (ClusterPlan, CrossLayerGuard, FitsComposedPlan, FloorAware, HoleTolerant, MergesInPlace,
+                        Needs, PersistentGuard, budget_scope_of, needs_of)
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
 from .validation import check_int, require
@@ -197,6 +197,12 @@ class Pipeline:
         self._cross = tuple(g for g in self.guards if isinstance(g, CrossLayerGuard))
         self._persistent = tuple(g for g in self.guards if isinstance(g, PersistentGuard) and g.persistent)
         strategies = (self.chunker, self.clusterer, self.merger, *self.guards)
+        # rounds after the first merge in place (merged slots left as padding, one compaction at
+        # the end) when everything that looks at a round's state sees slots only through ``valid``
+        called = (self.chunker, self.clusterer, *([] if self.fallback_chunker is None else [self.fallback_chunker]),
+                  *(g for g in self.guards if g not in self._persistent))  # persistent guards: marks
+        self._rounds_in_place = isinstance(self.merger, MergesInPlace) and all(
+            isinstance(s, HoleTolerant) and s.holes_ok for s in called)
         self.needs: Needs = Needs(query_window=cfg.query_window, attention=cfg.track_attention,
                                   all_layers=bool(self._cross)) | Needs.union(needs_of(s) for s in strategies)
         """What the cache must record or do for this pipeline (the config's query_window and
@@ -409,6 +415,9 @@ class Pipeline:
         taus = None
         rounds = 0
         level = 0
+        in_place = self._rounds_in_place and not fits_once
+        owned = False  # current's tensors are this call's own (a merge gave fresh ones): later rounds write into them
+        holes = False  # current has merged slots left as padding: compact once after the last round
         for round_idx in range(cfg.max_rounds):
             slots = current.valid.sum(-1)
             if round_idx > 0 and self._met(slots, target):
@@ -426,16 +435,20 @@ class Pipeline:
             parent = self._checked_plan(current, plan.parent, protected, chunk_ids)
             if plan.tau is not None:
                 taus = plan.tau
-            merged = merger(current, parent)
+            merged = merger.merge_in_place(current, parent) if owned else merger(current, parent)
             if fits_once:
                 composed = parent if composed is None else compose_plans(composed, parent)
             rounds += 1
             progressed = merged.num_slots < current.num_slots or bool(
                 (merged.valid.sum(-1) < slots).any())
+            holes = holes or (owned and progressed)
+            owned = in_place and progressed
             current = merged
             if plan.done or not progressed:
                 break
 
+        if holes:
+            current = merger.compact(current)
         if composed is not None:
             current = self.merger.fit_plan(state, composed, current)
         if protect is not None:
@@ -530,13 +543,15 @@ class Pipeline:
                 "clusterer plan", (tuple(parent.shape), parent.dtype), f"a long tensor of shape {(B, H, N)}")
         slot = torch.arange(N, device=parent.device)
         parent = torch.where(state.valid, parent, -1)  # padding slots are always dropped
-        if not bool((parent[protected] == slot.expand(B, H, N)[protected]).all()):
+        # masked any() rather than boolean indexing: no gathers of the selected entries per round
+        moved = parent != slot
+        if bool((protected & moved).any()):
             raise RuntimeError(f"clusterer {self.config.clusterer.name!r} merged or dropped a protected slot")
-        merged = (parent >= 0) & (parent != slot)
+        merged = (parent >= 0) & moved
         into = parent.clamp(min=0)
         if bool((protected.gather(-1, into) & merged).any()):
             raise RuntimeError(f"clusterer {self.config.clusterer.name!r} merged a slot into a protected slot")
-        if bool((chunk_ids.gather(-1, into) != chunk_ids)[merged].any()) or bool((chunk_ids[merged] < 0).any()):
+        if bool((merged & ((chunk_ids.gather(-1, into) != chunk_ids) | (chunk_ids < 0))).any()):
             raise RuntimeError(f"clusterer {self.config.clusterer.name!r} merged across chunks")
         return parent
 

@@ -214,6 +214,33 @@ class FitsComposedPlan(Protocol):
 
 
 @runtime_checkable
+class MergesInPlace(Protocol):
+    """A merger that can run a compression's rounds in place: ``merge_in_place`` applies a round's
+    plan to a working state the pipeline owns, leaving merged and dropped slots where they stand as
+    padding (log-size -inf, position -1) and writing only the representatives that gained members;
+    ``compact`` gathers the valid slots once after the last round. The result is the state that
+    merging (and compacting) round by round gives, for strategies that are ``HoleTolerant``."""
+
+    def merge_in_place(self, work: KVState, parent: Tensor) -> KVState:
+        """work: a state whose tensors the caller owns (written into); parent: [B, H, N] long over
+        its slots -> the merged working state (same N)."""
+        ...
+
+    def compact(self, work: KVState) -> KVState:
+        """The valid slots of ``work`` in slot order, heads padded at the end to the longest."""
+        ...
+
+
+@runtime_checkable
+class HoleTolerant(Protocol):
+    """A chunker, clusterer or guard that sees slots only through ``valid`` and slot order, when
+    ``holes_ok`` is True: padding slots in the middle of a head (merged slots a round in place left
+    where they stood) change nothing it decides, so the pipeline may run its rounds in place."""
+
+    holes_ok: bool
+
+
+@runtime_checkable
 class AppendMonotone(Protocol):
     """A chunker whose floor (anchors + one slot per chunk) never drops when raw tokens are
     appended, when ``append_monotone`` is True (lets DecodeCompressor remember floors)."""

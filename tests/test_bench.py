@@ -390,7 +390,8 @@ def test_cost_helpers_on_tiny_states():
                                    vocab=TINY_VOCAB)
     assert states[0].keys.shape == (1, 2, 256, 16) and states[0].extras["queries"].shape == (1, 4, 8, 16)
     configs = {n: get_preset(n, keep_ratio=0.25, on_infeasible="best_effort")
-               for n in ("semanticache-safe", "h2o", "centroidkv", "kvzip-gsc", "centroidkv-fitted", "kvzip-hybrid")}
+               for n in ("semanticache-safe", "h2o", "centroidkv", "kvzip-gsc", "centroidkv-fitted", "kvzip-hybrid",
+                         "kvzip-copy-heads")}
     fed = cost.with_inputs(states, configs["h2o"])  # window 64 > 8: the queries are repeated
     assert fed[0].extras["queries"].shape[2] == 64 and fed[0].stats["attn_acc"].shape == (1, 2, 256)
     assert "reconstruction" not in fed[0].stats  # h2o reads no reconstruction scores
@@ -403,6 +404,8 @@ def test_cost_helpers_on_tiny_states():
     rec_fed = cost.with_inputs(states, configs["kvzip-gsc"])
     assert rec_fed[0].stats["reconstruction"].shape == (1, 2, 256) and bool((rec_fed[0].stats["reconstruction"] >= 0).all())
     assert "surprisal" not in rec_fed[0].extras  # kvzip-gsc needs no surprisal
+    assert rec_fed[0].extras["reconstruction_copy"].shape == (1, 2)  # the pass's copy score per KV head
+    assert "reconstruction_copy" not in fed[0].extras
     sur_fed = cost.with_inputs(states, configs["kvzip-hybrid"])  # needs the prefill surprisal: [B, T], every layer
     assert sur_fed[0].extras["surprisal"].shape == (1, 256) and sur_fed[1].extras["surprisal"] is sur_fed[0].extras["surprisal"]
     gen = torch.Generator().manual_seed(0)

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..strategies.importance import STAT as RECONSTRUCTION, SURPRISAL
+from ..strategies.importance import COPY, STAT as RECONSTRUCTION, SURPRISAL
 from ..types import KVState
 from .machine import load_average
 
@@ -40,7 +40,8 @@ def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVStat
     query window (the last ones; repeated along the window when the snapshot holds fewer, none
     when the pipeline needs no queries) and, with
     ``track_attention``, a random positive ``stats["attn_acc"]`` [B, H, N]; when a strategy reads
-    the reconstruction statistic, a random positive ``stats["reconstruction"]`` [B, H, N]; when it
+    the reconstruction statistic, a random positive ``stats["reconstruction"]`` [B, H, N] and a random
+    ``extras["reconstruction_copy"]`` [B, H] (the pass's copy score per KV head); when it
     needs the prefill surprisal, a random ``extras["surprisal"]`` [B, T]."""
     from ..pipeline import Pipeline
 
@@ -62,6 +63,9 @@ def with_inputs(states: Sequence[KVState], config, seed: int = 0) -> list[KVStat
             stats["attn_acc"] = torch.rand(st.keys.shape[:3], generator=gen)
         if model_pass and RECONSTRUCTION not in stats:
             stats[RECONSTRUCTION] = torch.rand(st.keys.shape[:3], generator=gen)
+        if model_pass and COPY not in extras:
+            # the reconstruction pass's per-KV-head copy score [B, H] (read by copy-head guards)
+            extras[COPY] = torch.rand(st.batch_size, st.num_heads, generator=gen)
         if needs.surprisal and SURPRISAL not in extras:
             # one value per context token, the same tensor in every layer (as the prefill hook writes it)
             extras[SURPRISAL] = surprisal

@@ -28,6 +28,7 @@ class GlobalChunker:
     """No chunking: every clusterable slot of a head is in one chunk (SemantiCache ablation)."""
 
     append_monotone = True  # appended raw tokens join the one chunk: the floor never drops
+    holes_ok = True  # sees slots through valid and slot order only (HoleTolerant: rounds in place)
 
     def __call__(self, state: KVState, protected: Tensor) -> Tensor:
         free = clusterable(state, protected)
@@ -43,6 +44,7 @@ class FixedSizeChunker:
     size: int = 64
     by: str = "tokens"
     append_monotone = True  # appended raw tokens open or join the last chunk
+    holes_ok = True  # sees slots through valid and slot order only (HoleTolerant: rounds in place)
 
     def __post_init__(self):
         check_int("size", self.size, 1)

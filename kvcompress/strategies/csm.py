@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..protocols import ClusterPlan
@@ -36,6 +35,7 @@ from .segments import build_segments
 
 # r_j * n is rounded up, and a product like 0.3 * 10 lands a hair above 3 in floating point.
 _CEIL_SLACK = 1e-9
+_NORM_EPS = 1e-12  # F.normalize's default eps
 
 
 @register_chunker("csm")
@@ -48,6 +48,7 @@ class CSMChunker:
     """
 
     size: int = 256
+    holes_ok = True  # sees slots through valid and slot order only (HoleTolerant: rounds in place)
 
     def __post_init__(self):
         check_int("size", self.size, 2)  # a chunk of one slot has no A/B pair
@@ -96,8 +97,11 @@ def match_edges(keys: Tensor, chunk_ids: Tensor, valid: Tensor, partition: str =
         # padded B columns repeat the segment's first B: whichever copy wins, the edge points to
         # a real B slot, and no mask pass over the similarities is needed
         b_flat = torch.where(b_ok, b_flat, b_flat[:, :1])
-        ka = F.normalize(flat.index_select(0, a_flat.reshape(-1)), dim=-1).view(S, -1, D)  # index_select: a plain
-        kb = F.normalize(flat.index_select(0, b_flat.reshape(-1)), dim=-1).view(S, -1, D)  # row copy, faster than [idx]
+        # A and B rows in one gather (index_select: a plain row copy, faster than [idx]), unit
+        # rows in place: F.normalize's numbers (the norm clamped at its eps), fewer buffers
+        ab = flat.index_select(0, torch.cat([a_flat.reshape(-1), b_flat.reshape(-1)]))
+        ab.div_(torch.linalg.vector_norm(ab, dim=-1, keepdim=True).clamp_min_(_NORM_EPS))
+        ka, kb = ab[: a_flat.numel()].view(S, -1, D), ab[a_flat.numel():].view(S, -1, D)
         sim = torch.bmm(ka, kb.transpose(1, 2))  # [S, La, Lb]
         best, arg = sim.max(-1)  # [S, La]; first maximum on ties
         pick = a_ok.flatten().nonzero().squeeze(1)
@@ -153,6 +157,7 @@ class ChunkedSoftMatching:
 
     # decode-time compression re-clusters every clusterable slot: centroids keep absorbing tokens
     decode_scope = "all"
+    holes_ok = True  # chunks, A/B splits, quotas and edge order from valid slots in slot order (HoleTolerant)
 
     def __post_init__(self):
         check_range("r_init", self.r_init, 0.0, 0.5, lo_open=True)

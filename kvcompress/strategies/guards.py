@@ -50,6 +50,7 @@ class NeverMergeGuard:
 
     spans: tuple = ()
     token_ids: tuple = ()
+    holes_ok = True  # sees slots through valid and slot order only (HoleTolerant: rounds in place)
 
     def __post_init__(self):
         spans = tuple(tuple(s) for s in self.spans)

@@ -127,6 +127,126 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
                          positions=positions, protected=protected, counts=counts, stats=stats)
 
 
+def merge_in_place(state: KVState, parent: Tensor, weighting: str = "size") -> KVState:
+    """``apply_merge_plan`` without the compaction, written into ``state``'s own tensors.
+
+    state:  a working state whose tensors the caller owns (contiguous; the pipeline's rounds after
+            the first one): keys/values [B, H, N, D], log_sizes [B, H, N]
+    parent: [B, H, N] long, a plan as ``apply_merge_plan`` takes (invalid slots ignored)
+    returns ``state`` (the same tensors): merged and dropped slots become padding where they stand
+            (log-size -inf, position -1, not protected, count and stats 0; their keys and values
+            are left as they were and are never read again), representatives that gained members
+            take the size-weighted mean, the summed sizes and stats. Slots stay at N: ``compact``
+            gathers the valid ones once after the last round.
+
+    Per representative the arithmetic is ``apply_merge_plan``'s, term for term and in the same
+    order (its members' deltas added in slot order), so rounds in place and one ``compact`` give
+    the state that merging and compacting every round gives, for strategies that see slots only
+    through ``valid`` and slot order; only the exp/log of the sizes may differ in the last bit (a
+    vectorised and a scalar kernel round differently, depending on where a value sits in the
+    tensor). Work: O(merged slots x D) for keys and values, instead of a copy of every slot per
+    round: the protected slots (sinks, recent window, guards) are never copied again.
+    """
+    keys, values = state.keys, state.values
+    B, H, N, D = keys.shape
+    require(tuple(parent.shape) == (B, H, N), "parent", tuple(parent.shape), f"shape {(B, H, N)}")
+    require(all(t.is_contiguous() for t in (keys, values, state.log_sizes, state.positions)), "state",
+            "a state with non-contiguous tensors", "the contiguous working state of the pipeline's rounds")
+    device = keys.device
+    R = B * H
+    slot = torch.arange(N, device=device)
+    valid = state.valid
+    kept = (parent >= 0) & valid
+    safe_parent = parent.clamp(min=0)
+    is_rep = (parent == slot) & valid
+    require(bool(is_rep.gather(-1, safe_parent).masked_fill(~kept, True).all()), "parent",
+            "a plan whose target is not a representative", "parent[parent[n]] == parent[n]")
+    gone = (valid & ~is_rep).reshape(-1)  # merged or dropped: padding from now on
+    if not bool(gone.any()):
+        return state
+    parent_flat = (torch.arange(R, device=device)[:, None] * N + safe_parent.reshape(R, N)).reshape(-1)
+    mem_src = (kept & ~is_rep).reshape(-1).nonzero().squeeze(1)  # [Q] slot order
+    mem_rep = parent_flat.index_select(0, mem_src)  # [Q]
+    log_sizes = state.log_sizes.view(-1)
+    counts = None if state.counts is None else state.counts.view(-1)
+    if mem_src.numel():
+        has = torch.zeros(R * N, dtype=torch.bool, device=device)
+        has[mem_rep] = True
+        targets = has.nonzero().squeeze(1)  # [U] representatives that gain members, slot order
+        local = (has.long().cumsum(0) - 1)  # [R * N] row of each target in the [U] buffers
+        mem_local = local.index_select(0, mem_rep)  # [Q]
+
+        def weights(idx: Tensor) -> Tensor:
+            return log_sizes.index_select(0, idx).exp() if counts is None else counts.index_select(0, idx)
+
+        w_rep, w_mem = weights(targets), weights(mem_src)
+        total = w_rep.clone().index_add_(0, mem_local, w_mem)  # [U] tokens each target stands for
+        if weighting == "size":
+            member_share = (w_mem / total.index_select(0, mem_local))[:, None]
+        else:
+            ones = torch.ones(mem_src.numel(), device=device)
+            sum_w = torch.ones(targets.numel(), device=device).index_add_(0, mem_local, ones)
+            member_share = (ones / sum_w.index_select(0, mem_local))[:, None]
+        for x in (keys, values):
+            flat = x.view(R * N, -1)
+            acc = flat.index_select(0, targets).to(torch.promote_types(x.dtype, torch.float32))  # [U, E]
+            delta = flat.index_select(0, mem_src).to(acc.dtype)
+            delta.sub_(acc.index_select(0, mem_local))
+            acc.index_add_(0, mem_local, delta.mul_(member_share))
+            flat.index_copy_(0, targets, acc.to(x.dtype))
+        log_sizes.index_copy_(0, targets, total.log())
+        if counts is not None:
+            counts.index_copy_(0, targets, total)
+        if state.stats:
+            # stats add up from zero over every kept slot of a target's cluster, in slot order
+            into = kept.reshape(-1) & has.index_select(0, parent_flat)
+            src = into.nonzero().squeeze(1)
+            dst = local.index_select(0, parent_flat.index_select(0, src))
+            for x in state.stats.values():
+                flat = x.view(R * N, -1)
+                acc = flat.new_zeros(targets.numel(), flat.shape[1]).index_add_(0, dst, flat.index_select(0, src))
+                flat.index_copy_(0, targets, acc)
+    log_sizes.masked_fill_(gone, NEG_INF)
+    state.positions.view(-1).masked_fill_(gone, -1)
+    if counts is not None:
+        counts.masked_fill_(gone, 0.0)
+    if state.protected is not None:
+        state.protected.view(-1).masked_fill_(gone, False)
+    for x in state.stats.values():
+        x.view(R * N, -1).masked_fill_(gone[:, None], 0)
+    return state
+
+
+def compact(state: KVState) -> KVState:
+    """The valid slots of ``state`` in slot order ([B, H, M], M = most valid slots of a head);
+    heads with fewer are padded at the end (zero keys/values, log-size -inf, position -1, not
+    protected, count and stats 0), as ``apply_merge_plan`` pads."""
+    B, H, N, _ = state.keys.shape
+    R = B * H
+    device = state.keys.device
+    valid = state.valid
+    per_head = valid.sum(-1)
+    M = int(per_head.max()) if N and R else 0
+    src = valid.reshape(-1).nonzero().squeeze(1)
+    dst = (torch.arange(R, device=device)[:, None] * M + valid.long().cumsum(-1).reshape(R, N) - 1).reshape(-1)
+    dst = dst.index_select(0, src)
+    dense = src.numel() == R * M  # no padding: the gather is the result
+
+    def rows(x: Tensor, fill) -> Tensor:
+        flat = _flat_rows(x)
+        got = flat.index_select(0, src)
+        if not dense:
+            got = flat.new_full((R * M, flat.shape[1]), fill).index_copy_(0, dst, got)
+        return got.view(B, H, M, *x.shape[3:])
+
+    return state.replace(
+        keys=rows(state.keys, 0), values=rows(state.values, 0), log_sizes=rows(state.log_sizes, NEG_INF),
+        positions=rows(state.positions, -1),
+        protected=None if state.protected is None else rows(state.protected, False),
+        counts=None if state.counts is None else rows(state.counts, 0.0),
+        stats={k: rows(x, 0) for k, x in state.stats.items()})
+
+
 def is_identity_plan(state: KVState, parent: Tensor) -> bool:
     """True when the plan keeps every valid slot as it is and there is no padding to drop."""
     slot = torch.arange(state.num_slots, device=parent.device)
@@ -147,9 +267,17 @@ class MeanMerger:
         check_choice("weighting", self.weighting, ("size", "uniform"))
 
     def __call__(self, state: KVState, parent: Tensor) -> KVState:
+        """A plan that changes anything gives fresh tensors (``MergesInPlace``: the pipeline then
+        runs its later rounds in place on them)."""
         if is_identity_plan(state, parent):
             return state
         return apply_merge_plan(state, parent, self.weighting)
+
+    def merge_in_place(self, work: KVState, parent: Tensor) -> KVState:
+        return merge_in_place(work, parent, self.weighting)
+
+    def compact(self, work: KVState) -> KVState:
+        return compact(work)
 
 
 @register_merger("degree")

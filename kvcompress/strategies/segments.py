@@ -56,38 +56,48 @@ def build_segments(chunk_ids: Tensor, min_length: int = 1) -> SegmentLayout:
     inside = chunk_ids >= 0
     big = torch.iinfo(torch.long).max
     key = torch.where(inside, chunk_ids, torch.full_like(chunk_ids, big))
-    # stable: slots of one chunk stay in slot order
-    sorted_key, order = torch.sort(key, dim=1, stable=True)  # [R, N]
+    # chunkers give ids non-decreasing along N among the clustered slots (the Chunker contract):
+    # the stable sort is then a stable partition, clustered slots first, each part in slot order,
+    # which prefix counts give without sorting; any other input falls back to the sort
+    ins = inside.long()
+    rank_in = ins.cumsum(1)
+    dest = torch.where(inside, rank_in - 1, rank_in[:, -1:] + torch.arange(N, device=device) - rank_in)
+    order = torch.empty_like(dest).scatter_(1, dest, torch.arange(N, device=device).expand(R, N))
+    sorted_key = key.gather(1, order)
+    if not bool((sorted_key[:, 1:] >= sorted_key[:, :-1]).all()):
+        sorted_key, order = torch.sort(key, dim=1, stable=True)  # [R, N], stable: slot order kept
     sorted_inside = sorted_key != big
     change = torch.ones_like(sorted_inside)
     change[:, 1:] = sorted_key[:, 1:] != sorted_key[:, :-1]
-    starts = (sorted_inside & change).flatten()  # [R*N]
-    seg_of = starts.long().cumsum(0) - 1  # segment id per sorted entry
-    flat_inside = sorted_inside.flatten()
-    start_flat = starts.nonzero().squeeze(1)  # [G]
+    start_flat = (sorted_inside & change).flatten().nonzero().squeeze(1)  # [G]
     num_segments = start_flat.numel()
-    lengths = torch.bincount(seg_of[flat_inside], minlength=num_segments)[:num_segments]  # [G]
+    members_per_row = inside.sum(1)
     seg_rows = torch.div(start_flat, N, rounding_mode="floor")
     segments_per_row = torch.bincount(seg_rows, minlength=R)
-    members_per_row = inside.sum(1)
+    # a row's clustered slots lead its sorted entries: a segment ends at the next one's start or
+    # at the end of its row's clustered slots (differences, not a bincount over every entry)
+    ends = torch.cat([start_flat[1:], start_flat.new_full((1,), R * N)])
+    lengths = torch.minimum(ends, seg_rows * N + members_per_row.index_select(0, seg_rows)) - start_flat  # [G]
 
     buckets = []
     if num_segments:
         flat_order = order.flatten()
-        max_len = int(lengths.max())
-        L = 1
-        while True:
-            lo = L // 2
-            pick = (lengths > lo) & (lengths <= L) & (lengths >= min_length)
-            if bool(pick.any()):
-                s = start_flat[pick]
-                n = lengths[pick]
-                ar = torch.arange(L, device=device)
-                mask = ar[None, :] < n[:, None]  # [S, L]
-                idx = (s[:, None] + ar[None, :]).clamp(max=R * N - 1)
-                slots = torch.where(mask, flat_order[idx], 0)
-                buckets.append(Bucket(slots=slots, rows=seg_rows[pick], mask=mask))
-            if L >= max_len:
-                break
-            L *= 2
+        # bucket of each segment: L = the least power of two >= its length (lengths in (L/2, L]),
+        # found for all segments at once; only the buckets present are built, shortest first
+        top = max(int(lengths.max()), 1).bit_length()
+        powers = torch.tensor([1 << k for k in range(top + 1)], device=device)
+        level = (lengths[:, None] > powers[None, :]).sum(1)  # [G]
+        level = torch.where(lengths >= min_length, level, -1)
+        for lev in torch.unique(level).tolist():
+            if lev < 0:
+                continue
+            L = 1 << lev
+            pick = (level == lev).nonzero().squeeze(1)
+            s = start_flat.index_select(0, pick)
+            n = lengths.index_select(0, pick)
+            ar = torch.arange(L, device=device)
+            mask = ar[None, :] < n[:, None]  # [S, L]
+            idx = (s[:, None] + ar[None, :]).clamp_(max=R * N - 1)
+            slots = flat_order.index_select(0, idx.view(-1)).view(idx.shape).masked_fill_(~mask, 0)
+            buckets.append(Bucket(slots=slots, rows=seg_rows.index_select(0, pick), mask=mask))
     return SegmentLayout(tuple(buckets), R, N, segments_per_row, members_per_row)
