@@ -201,19 +201,14 @@ class FittedMerger:
             return merged.replace(counts=counts)
         queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
-        fit_rows = fit.reshape(-1).nonzero().squeeze(1)  # [F] fitted slots, flat over [B * H * M]
-        rank = fit.long().cumsum(-1) - 1  # [B, H, M]: a fitted slot's index among its head's
-        K = int(rank[..., -1].max()) + 1
         # fit only the K clusters per head that need it, renumbered 0..K-1 (heads with fewer have
         # empty rows: no members, never read); index copies in and out, no [B, H, M, D] gathers
-        sub = torch.where(fit, rank, -1)
-        at = (fit_rows // M) * K + rank.reshape(-1).index_select(0, fit_rows)  # [F] into [B * H * K]
+        fit_rows, at, K, rank = _compaction(fit)
 
         def compact(x: Tensor, shape: tuple) -> Tensor:
-            flat = x.reshape(rows * M, -1)
-            out = flat.new_zeros(rows * K, flat.shape[1]).index_copy_(0, at, flat.index_select(0, fit_rows))
-            return out.view(shape)
+            return _compact(x, fit_rows, at, rows * K).view(shape)
 
+        sub = torch.where(fit, rank, -1)
         prior_k, prior_v = compact(merged.keys, (B, H, K, D)), compact(merged.values, (B, H, K, D))
         prior_b = compact(merged.log_sizes, (B, H, K))
         # members of clusters not fitted still count in the attention rows (cluster -1)
@@ -231,7 +226,14 @@ class FittedMerger:
         keys, values = res.keys, res.values
         if self.refine:
             # the slots that are not fitted stay put: their part of the rows is computed once
-            rest = row_part(merged.keys, merged.values, merged.log_sizes.float().masked_fill(fit, NEG_INF),
+            # (compacted like the fitted ones: the rows' work is over the slots that stay, not all M)
+            stay_rows, stay_at, S, _ = _compaction(~fit)
+            S = max(S, 1)
+
+            def stay(x: Tensor, fill: float = 0.0) -> Tensor:
+                return _compact(x, stay_rows, stay_at, rows * S, fill).view(B, H, S, *x.shape[3:])
+
+            rest = row_part(stay(merged.keys), stay(merged.values), stay(merged.log_sizes.float(), NEG_INF),
                             queries, scale)
             live = torch.zeros(rows * K, dtype=torch.bool, device=dev).index_fill_(0, at, True).view(B, H, K)
             keys, values = refine_jointly(keys, values, res.bias.masked_fill(~live, NEG_INF), rest, queries,
@@ -241,6 +243,24 @@ class FittedMerger:
         return merged.replace(keys=put(merged.keys, keys, merged.keys.dtype),
                               values=put(merged.values, values, merged.values.dtype),
                               log_sizes=put(merged.log_sizes, res.bias, merged.log_sizes.dtype), counts=counts)
+
+
+def _compaction(mask: Tensor) -> tuple[Tensor, Tensor, int, Tensor]:
+    """The True slots of ``mask`` [B, H, M] renumbered 0..K-1 per head (K = the most in a head):
+    their flat rows in [B * H * M], their flat rows in [B * H * K], K, and each slot's rank."""
+    M = mask.shape[-1]
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    rank = mask.long().cumsum(-1) - 1
+    K = int(rank[..., -1].max()) + 1 if mask.numel() else 0
+    at = (rows // M) * K + rank.reshape(-1).index_select(0, rows)
+    return rows, at, K, rank
+
+
+def _compact(x: Tensor, rows: Tensor, at: Tensor, size: int, fill: float = 0.0) -> Tensor:
+    """The rows ``rows`` of x [B, H, M, ...] (flat) copied to rows ``at`` of a [size, ...] tensor
+    filled with ``fill`` elsewhere (``_compaction``'s renumbering)."""
+    flat = x.reshape(-1, x.shape[-1]) if x.dim() == 4 else x.reshape(-1)
+    return flat.new_full((size, *flat.shape[1:]), fill).index_copy_(0, at, flat.index_select(0, rows))
 
 
 def _flat_index(index: Tensor, width: int) -> Tensor:
