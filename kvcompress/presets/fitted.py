@@ -40,12 +40,18 @@ def centroidkv_fitted() -> PipelineConfig:
     return _fitted(centroidkv(), "centroidkv-fitted")
 
 
+SAFE_WINDOW = 64  # centroidkv-safe-fitted's query window: its guard's and its fit's
+
+
 @register_preset("centroidkv-safe-fitted")
 def centroidkv_safe_fitted() -> PipelineConfig:
-    """Fitted after every round: its merged clusters are large (15-18 tokens at keep 0.25, the
-    guard keeps most slots exact), and one fit of such a cluster generalises worse than fits
-    that later rounds cluster on (KL at 0.25 measured, results/issue14-rounds)."""
-    return _fitted(centroidkv_safe(), "centroidkv-safe-fitted", rounds="each")
+    """Fitted once to the last 64 queries, which its sentence guard then reads too (the guard reads
+    every captured query: a same-cluster twin is centroidkv-safe with query_window=64). Its merged
+    clusters are large (15-18 tokens at keep 0.25, the guard keeps most slots exact): 32 queries,
+    fitted once or every round, cut KL at keep 0.25 by 24-27% only, 64 by 36-49%
+    (results/issue14-targets/explore-s8c)."""
+    base = centroidkv_safe().replace(query_window=SAFE_WINDOW)
+    return _fitted(base, "centroidkv-safe-fitted", fitted_merger(reference_queries=SAFE_WINDOW))
 
 
 @register_preset("semanticache-fitted")
@@ -60,7 +66,8 @@ def semanticache_safe_fitted() -> PipelineConfig:
 
 @register_preset("kvzip-csm-fitted")
 def kvzip_csm_fitted() -> PipelineConfig:
-    """kvzip-csm's clusters (important sentences exact, the rest CSM-merged), slots fitted to the
-    reconstruction queries its importance pass records, after every round (large clusters, as
-    for centroidkv-safe-fitted: fitting once doubled its KL at keep 0.25 on PG)."""
-    return _fitted(kvzip_csm(), "kvzip-csm-fitted", fitted_merger("reconstruction", rounds="each"))
+    """kvzip-csm's clusters (important sentences exact, the rest CSM-merged), slots fitted once to
+    the layer's last 32 queries (its SnapKV window). Fitted to the reconstruction pass's queries
+    instead, every round, KL at keep 0.25 fell by 14-30% only; the window, once, by 36-41%
+    (results/issue14-targets/explore-s8b)."""
+    return _fitted(kvzip_csm(), "kvzip-csm-fitted")
