@@ -193,7 +193,9 @@ class FittedMerger:
         # a cluster whose members' keys are all bitwise equal to its representative's is exact under
         # proportional attention (and the mean merger returns that key): keep it bit for bit. A
         # cluster with a differing member has two members or more, so "differs" is the whole test.
-        differs = member & _differs_from(state.keys, parent.clamp(min=0))
+        # (a cache's [B, N, H, D]-strided views copied once: every pass below reads them whole)
+        k_in, v_in = state.keys.contiguous(), state.values.contiguous()
+        differs = member & _differs_from(k_in, parent.clamp(min=0))
         fit = torch.zeros(rows * (M + 1), device=dev).index_add_(
             0, _flat_index(torch.where(member, cluster, M), M + 1), differs.reshape(-1).float()
         ).view(B, H, M + 1)[:, :, :M] > 0  # [B, H, M]
@@ -214,7 +216,7 @@ class FittedMerger:
         # members of clusters not fitted still count in the attention rows (cluster -1)
         sub_cluster = torch.where(member, sub.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
         res = fit_clusters(
-            state.keys, state.values, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
+            k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
             scale=scale, power=self.power, ridge=self.ridge, key=self.key,
         )
 
