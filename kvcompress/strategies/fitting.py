@@ -182,10 +182,11 @@ def fit_clusters(
     separable = power == 1.0
     if separable:
         # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
-        # and sum_i a_i v_i in one scatter of [keys | values] * a (sum_i a_i = sum_r share_r)
+        # and sum_i a_i v_i, one scatter each ([B*H*M, D] sums: keys then values; sum_i a_i = sum_r share_r)
         a = torch.einsum("bhnp,bhp->bhn", e, zc.reciprocal())[..., None]  # [B, H, N, 1]
-        x = (torch.cat([k32, v32], dim=-1) if key != "mean" else v32.clone()).mul_(a).view(rows * N, -1)
-        sums = x.new_zeros(rows * M + 1, x.shape[1]).index_add_(0, flat, x)[: rows * M].view(B, H, M, -1)
+        parts = (k32, v32) if key != "mean" else (v32,)
+        sums = torch.cat([e.new_zeros(rows * M + 1, D).index_add_(0, flat, (x * a).view(rows * N, D))[: rows * M]
+                          for x in parts], dim=-1).view(B, H, M, -1)
     slot_keys = prior_keys.float()
     if key != "mean":
         fitted = sums[..., :D] * inv if separable else member_mean(norm, k32)
