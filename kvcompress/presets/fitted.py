@@ -1,19 +1,18 @@
 """Merging presets whose merged slots are fitted to their clusters' attention (issue 14).
 
 Each is the named preset with the ``fitted`` merger: the clusters are the method's own; only the
-merged slots' key, value and attention bias differ. They are fitted to the layer's last queries
-(``queries="window"``: 32, the ``-safe`` presets' own query window, so their guards see the same
-queries as without the fit; 32 rather than 64 halves the fit's cost at a small loss of KL,
-results/issue14-r), which the cache keeps anyway; measured on
-SmolLM2 they predict the queries that follow far better than queries strided over the prefill
-(docs/mergers.md). ``kvzip-csm-fitted`` fits to the reconstruction pass's queries, which its
-importance guard runs anyway. The closed form is followed by three joint key steps and a value
-solve per head (``refine=3``). KL against the mean-merger twins (SmolLM2, PG / pydoc, one run,
-results/issue14-targets/s7): -34% to -56% at keep 0.5, -14% to -50% at keep 0.25 (centroidkv and
-semanticache -36% to -50%; the guarded presets, fitted every round, -14% to -30%). The fit costs
-2-3% of an 8k prefill with ``refine=0`` and 3-5.6% with the default 3 (results/issue14-cost/
-cost-8k-s7-refine.json). The SemantiCache variant uses fixed 64-token chunks (delimiter
-anchors alone floor the keep ratio near 0.3, as for semanticache-safe).
+merged slots' key, value and attention bias differ. All fit once per compression to the layer's
+last queries (``queries="window"``), which the cache keeps anyway: 32 (the ``-safe`` presets' own
+query window, so their guards see the same queries as without the fit; 32 rather than 64 halves
+the fit's cost at a small loss of KL, results/issue14-r), 64 for ``centroidkv-safe-fitted`` (its
+guard then reads those 64 too: its same-cluster twin is centroidkv-safe with query_window=64).
+Measured on SmolLM2 the window predicts the queries that follow far better than queries strided
+over the prefill (docs/mergers.md). The closed form is followed by three joint key steps and a
+value solve per head (``refine=3``). KL against the mean-merger twins (SmolLM2, PG / pydoc, one
+run, results/issue14-targets/s8): -35.6% to -56.4% at keep 0.5 and 0.25, every pair and cell. The
+fit costs 2-3% of an 8k prefill with ``refine=0`` and more with the default 3
+(results/issue14-cost/cost-8k-s8.json). The SemantiCache variant uses fixed 64-token chunks
+(delimiter anchors alone floor the keep ratio near 0.3, as for semanticache-safe).
 """
 
 from ..config import PipelineConfig, StrategySpec
