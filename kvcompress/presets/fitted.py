@@ -11,8 +11,9 @@ over the prefill (docs/mergers.md). The closed form is followed by three joint k
 value solve per head (``refine=3``). KL against the mean-merger twins (SmolLM2, PG / pydoc, one
 run, results/issue14-targets/s8): -35.6% to -56.4% at keep 0.5 and 0.25, every pair and cell. The
 fit costs 1.8-2.9% of an 8k prefill with ``refine=0`` and 2.2-4.4% with the default 3 (R = 32;
-centroidkv-safe-fitted's R = 64: 4.1-6.6%; results/issue14-cost/cost-8k-s8.json). The SemantiCache variant uses fixed 64-token chunks
-(delimiter anchors alone floor the keep ratio near 0.3, as for semanticache-safe).
+centroidkv-safe-fitted's R = 64: 4.1-6.6%; results/issue14-cost/cost-8k-s8.json). The
+SemantiCache variant uses fixed 64-token chunks (delimiter anchors alone floor the keep ratio
+near 0.3, as for semanticache-safe).
 """
 
 from ..config import PipelineConfig, StrategySpec
