@@ -638,11 +638,17 @@ def test_each_plus_once_refits_the_fitted_rounds_against_the_original_members():
     assert rel_err(both, full, q) <= rel_err(each, full, q) * 1.05
 
 
-def test_presets_fit_once_except_where_clusters_are_large():
+def test_presets_fit_once_to_their_query_window():
+    from kvcompress.pipeline import Pipeline
     from kvcompress.presets import get_preset
 
-    rounds = {n: dict(get_preset(n).merger.params)["rounds"] for n in
-              ("centroidkv-fitted", "semanticache-fitted", "centroidkv-safe-fitted", "kvzip-csm-fitted")}
-    assert rounds == {"centroidkv-fitted": "once", "semanticache-fitted": "once",
-                      "centroidkv-safe-fitted": "each", "kvzip-csm-fitted": "each"}
-    assert dict(get_preset("centroidkv-fitted").merger.params)["reference_queries"] == 32
+    names = ("centroidkv-fitted", "semanticache-fitted", "centroidkv-safe-fitted", "kvzip-csm-fitted")
+    params = {n: dict(get_preset(n).merger.params) for n in names}
+    assert {n: (p["rounds"], p["queries"]) for n, p in params.items()} == {n: ("once", "window") for n in names}
+    assert {n: p["reference_queries"] for n, p in params.items()} == {
+        "centroidkv-fitted": 32, "semanticache-fitted": 32, "centroidkv-safe-fitted": 64, "kvzip-csm-fitted": 32}
+    # the -safe guard reads every captured query: it sees the 64 the fit uses (its twin:
+    # centroidkv-safe with query_window=64), and the pipeline asks the cache for exactly those
+    cfg = get_preset("centroidkv-safe-fitted")
+    assert cfg.query_window == 64 and Pipeline(cfg).needs.query_window == 64
+    assert Pipeline(get_preset("kvzip-csm-fitted")).needs.query_window == 32

@@ -147,12 +147,15 @@ def test_identical_keys_are_found_bit_for_bit(dtype, seed):
     keys = torch.randn(B, H, N, D, generator=g).to(dtype)
     other = torch.randint(0, N, (B, H, N), generator=g)
     src = keys.gather(2, other[..., None].expand(B, H, N, D))
-    kind = torch.randint(0, 4, (B, H, N), generator=g)  # 0: own key, 1: copy, 2: sign flip, 3: one element
+    # 0: own key, 1: copy, 2: sign flip, 3: one element, 4: the elements reversed (the same bits in
+    # another order: the same sum of bit patterns, a different key)
+    kind = torch.randint(0, 5, (B, H, N), generator=g)
     keys = torch.where((kind == 1)[..., None], src, keys)
     keys = torch.where((kind == 2)[..., None], -src, keys)
     bumped = src.clone()
     bumped[..., 0] = torch.where(bumped[..., 0] == 0, 1.0, bumped[..., 0] * 2).to(dtype)
     keys = torch.where((kind == 3)[..., None], bumped, keys)
+    keys = torch.where((kind == 4)[..., None], src.flip(-1), keys)
     keys[0, 0, 0] = 0.0
     keys[0, 0, 1] = -0.0 * torch.ones(D, dtype=dtype)
     other[0, 0, 1] = 0

@@ -1,19 +1,19 @@
 """Merging presets whose merged slots are fitted to their clusters' attention (issue 14).
 
 Each is the named preset with the ``fitted`` merger: the clusters are the method's own; only the
-merged slots' key, value and attention bias differ. They are fitted to the layer's last queries
-(``queries="window"``: 32, the ``-safe`` presets' own query window, so their guards see the same
-queries as without the fit; 32 rather than 64 halves the fit's cost at a small loss of KL,
-results/issue14-r), which the cache keeps anyway; measured on
-SmolLM2 they predict the queries that follow far better than queries strided over the prefill
-(docs/mergers.md). ``kvzip-csm-fitted`` fits to the reconstruction pass's queries, which its
-importance guard runs anyway. The closed form is followed by three joint key steps and a value
-solve per head (``refine=3``). KL against the mean-merger twins (SmolLM2, PG / pydoc, one run,
-results/issue14-targets/s7): -34% to -56% at keep 0.5, -14% to -50% at keep 0.25 (centroidkv and
-semanticache -36% to -50%; the guarded presets, fitted every round, -14% to -30%). The fit costs
-2-3% of an 8k prefill with ``refine=0`` and 3-5.6% with the default 3 (results/issue14-cost/
-cost-8k-s7-refine.json). The SemantiCache variant uses fixed 64-token chunks (delimiter
-anchors alone floor the keep ratio near 0.3, as for semanticache-safe).
+merged slots' key, value and attention bias differ. All fit once per compression to the layer's
+last queries (``queries="window"``), which the cache keeps anyway: 32 (the ``-safe`` presets' own
+query window, so their guards see the same queries as without the fit; 32 rather than 64 halves
+the fit's cost at a small loss of KL, results/issue14-r), 64 for ``centroidkv-safe-fitted`` (its
+guard then reads those 64 too: its same-cluster twin is centroidkv-safe with query_window=64).
+Measured on SmolLM2 the window predicts the queries that follow far better than queries strided
+over the prefill (docs/mergers.md). The closed form is followed by three joint key steps and a
+value solve per head (``refine=3``). KL against the mean-merger twins (SmolLM2, PG / pydoc, one
+run, results/issue14-targets/s8): -35.6% to -56.4% at keep 0.5 and 0.25, every pair and cell. The
+fit costs 1.8-2.9% of an 8k prefill with ``refine=0`` and 2.2-4.4% with the default 3 (R = 32;
+centroidkv-safe-fitted's R = 64: 4.1-6.6%; results/issue14-cost/cost-8k-s8.json). The
+SemantiCache variant uses fixed 64-token chunks (delimiter anchors alone floor the keep ratio
+near 0.3, as for semanticache-safe).
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -40,12 +40,18 @@ def centroidkv_fitted() -> PipelineConfig:
     return _fitted(centroidkv(), "centroidkv-fitted")
 
 
+SAFE_WINDOW = 64  # centroidkv-safe-fitted's query window: its guard's and its fit's
+
+
 @register_preset("centroidkv-safe-fitted")
 def centroidkv_safe_fitted() -> PipelineConfig:
-    """Fitted after every round: its merged clusters are large (15-18 tokens at keep 0.25, the
-    guard keeps most slots exact), and one fit of such a cluster generalises worse than fits
-    that later rounds cluster on (KL at 0.25 measured, results/issue14-rounds)."""
-    return _fitted(centroidkv_safe(), "centroidkv-safe-fitted", rounds="each")
+    """Fitted once to the last 64 queries, which its sentence guard then reads too (the guard reads
+    every captured query: a same-cluster twin is centroidkv-safe with query_window=64). Its merged
+    clusters are large (15-18 tokens at keep 0.25, the guard keeps most slots exact): 32 queries,
+    fitted once or every round, cut KL at keep 0.25 by 24-27% only, 64 by 36-49%
+    (results/issue14-targets/explore-s8c)."""
+    base = centroidkv_safe().replace(query_window=SAFE_WINDOW)
+    return _fitted(base, "centroidkv-safe-fitted", fitted_merger(reference_queries=SAFE_WINDOW))
 
 
 @register_preset("semanticache-fitted")
@@ -60,7 +66,8 @@ def semanticache_safe_fitted() -> PipelineConfig:
 
 @register_preset("kvzip-csm-fitted")
 def kvzip_csm_fitted() -> PipelineConfig:
-    """kvzip-csm's clusters (important sentences exact, the rest CSM-merged), slots fitted to the
-    reconstruction queries its importance pass records, after every round (large clusters, as
-    for centroidkv-safe-fitted: fitting once doubled its KL at keep 0.25 on PG)."""
-    return _fitted(kvzip_csm(), "kvzip-csm-fitted", fitted_merger("reconstruction", rounds="each"))
+    """kvzip-csm's clusters (important sentences exact, the rest CSM-merged), slots fitted once to
+    the layer's last 32 queries (its SnapKV window). Fitted to the reconstruction pass's queries
+    instead, every round, KL at keep 0.25 fell by 14-30% only; the window, once, by 36-41%
+    (results/issue14-targets/explore-s8b)."""
+    return _fitted(kvzip_csm(), "kvzip-csm-fitted")

@@ -193,7 +193,9 @@ class FittedMerger:
         # a cluster whose members' keys are all bitwise equal to its representative's is exact under
         # proportional attention (and the mean merger returns that key): keep it bit for bit. A
         # cluster with a differing member has two members or more, so "differs" is the whole test.
-        differs = member & _differs_from(state.keys, parent.clamp(min=0))
+        # (a cache's [B, N, H, D]-strided views copied once: every pass below reads them whole)
+        k_in, v_in = state.keys.contiguous(), state.values.contiguous()
+        differs = member & _differs_from(k_in, parent.clamp(min=0))
         fit = torch.zeros(rows * (M + 1), device=dev).index_add_(
             0, _flat_index(torch.where(member, cluster, M), M + 1), differs.reshape(-1).float()
         ).view(B, H, M + 1)[:, :, :M] > 0  # [B, H, M]
@@ -201,25 +203,20 @@ class FittedMerger:
             return merged.replace(counts=counts)
         queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
-        fit_rows = fit.reshape(-1).nonzero().squeeze(1)  # [F] fitted slots, flat over [B * H * M]
-        rank = fit.long().cumsum(-1) - 1  # [B, H, M]: a fitted slot's index among its head's
-        K = int(rank[..., -1].max()) + 1
         # fit only the K clusters per head that need it, renumbered 0..K-1 (heads with fewer have
         # empty rows: no members, never read); index copies in and out, no [B, H, M, D] gathers
-        sub = torch.where(fit, rank, -1)
-        at = (fit_rows // M) * K + rank.reshape(-1).index_select(0, fit_rows)  # [F] into [B * H * K]
+        fit_rows, at, K, rank = _compaction(fit)
 
         def compact(x: Tensor, shape: tuple) -> Tensor:
-            flat = x.reshape(rows * M, -1)
-            out = flat.new_zeros(rows * K, flat.shape[1]).index_copy_(0, at, flat.index_select(0, fit_rows))
-            return out.view(shape)
+            return _compact(x, fit_rows, at, rows * K).view(shape)
 
+        sub = torch.where(fit, rank, -1)
         prior_k, prior_v = compact(merged.keys, (B, H, K, D)), compact(merged.values, (B, H, K, D))
         prior_b = compact(merged.log_sizes, (B, H, K))
         # members of clusters not fitted still count in the attention rows (cluster -1)
         sub_cluster = torch.where(member, sub.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
         res = fit_clusters(
-            state.keys, state.values, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
+            k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
             scale=scale, power=self.power, ridge=self.ridge, key=self.key,
         )
 
@@ -231,7 +228,14 @@ class FittedMerger:
         keys, values = res.keys, res.values
         if self.refine:
             # the slots that are not fitted stay put: their part of the rows is computed once
-            rest = row_part(merged.keys, merged.values, merged.log_sizes.float().masked_fill(fit, NEG_INF),
+            # (compacted like the fitted ones: the rows' work is over the slots that stay, not all M)
+            stay_rows, stay_at, S, _ = _compaction(~fit)
+            S = max(S, 1)
+
+            def stay(x: Tensor, fill: float = 0.0) -> Tensor:
+                return _compact(x, stay_rows, stay_at, rows * S, fill).view(B, H, S, *x.shape[3:])
+
+            rest = row_part(stay(merged.keys), stay(merged.values), stay(merged.log_sizes.float(), NEG_INF),
                             queries, scale)
             live = torch.zeros(rows * K, dtype=torch.bool, device=dev).index_fill_(0, at, True).view(B, H, K)
             keys, values = refine_jointly(keys, values, res.bias.masked_fill(~live, NEG_INF), rest, queries,
@@ -241,6 +245,24 @@ class FittedMerger:
         return merged.replace(keys=put(merged.keys, keys, merged.keys.dtype),
                               values=put(merged.values, values, merged.values.dtype),
                               log_sizes=put(merged.log_sizes, res.bias, merged.log_sizes.dtype), counts=counts)
+
+
+def _compaction(mask: Tensor) -> tuple[Tensor, Tensor, int, Tensor]:
+    """The True slots of ``mask`` [B, H, M] renumbered 0..K-1 per head (K = the most in a head):
+    their flat rows in [B * H * M], their flat rows in [B * H * K], K, and each slot's rank."""
+    M = mask.shape[-1]
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    rank = mask.long().cumsum(-1) - 1
+    K = int(rank[..., -1].max()) + 1 if mask.numel() else 0
+    at = (rows // M) * K + rank.reshape(-1).index_select(0, rows)
+    return rows, at, K, rank
+
+
+def _compact(x: Tensor, rows: Tensor, at: Tensor, size: int, fill: float = 0.0) -> Tensor:
+    """The rows ``rows`` of x [B, H, M, ...] (flat) copied to rows ``at`` of a [size, ...] tensor
+    filled with ``fill`` elsewhere (``_compaction``'s renumbering)."""
+    flat = x.reshape(-1, x.shape[-1]) if x.dim() == 4 else x.reshape(-1)
+    return flat.new_full((size, *flat.shape[1:]), fill).index_copy_(0, at, flat.index_select(0, rows))
 
 
 def _flat_index(index: Tensor, width: int) -> Tensor:
@@ -254,12 +276,18 @@ _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _differs_from(keys: Tensor, other: Tensor) -> Tensor:
     """[B, H, N] bool: slot n's key is not bitwise equal to slot other[n]'s (other: [B, H, N] long).
-    The XOR of the keys' bit patterns: exact, and far cheaper than a [B, H, N, D] bool reduction."""
+    Exact: keys whose bit patterns sum to different totals differ; the few pairs of other slots
+    with equal sums (equal keys, or a rare collision) are compared element by element. One pass over
+    the keys instead of a gather, an XOR and two reductions of [B, H, N, D]."""
     B, H, N, D = keys.shape
     bits = keys.reshape(B * H * N, D).view(_INT_OF[keys.element_size()])
-    x = torch.bitwise_xor(bits, bits.index_select(0, _flat_index(other, N)))
-    # a nonzero entry makes the row's max > 0 or its min < 0 (the sign bit alone: min < 0)
-    return ((x.amax(-1) != 0) | (x.amin(-1) != 0)).view(B, H, N)
+    total = bits.sum(-1, dtype=torch.int64)  # [B * H * N]
+    index = _flat_index(other, N)
+    differs = total != total.index_select(0, index)
+    alike = ((~differs) & (index != torch.arange(index.numel(), device=index.device))).nonzero().squeeze(1)
+    if alike.numel():
+        differs[alike] = (bits.index_select(0, alike) != bits.index_select(0, index.index_select(0, alike))).any(-1)
+    return differs.view(B, H, N)
 
 
 @dataclass(frozen=True)

@@ -145,9 +145,11 @@ def fit_clusters(
 
     # logits of every slot for every query, one row per slot: [B, H, N, P]; the bias rides along
     # as one more key dimension against a query entry of 1 (one pass over the [N, P] logits)
+    # (the queries transposed once, contiguous: a strided right operand costs the matmul ~1.6x)
     k_aug = torch.cat([k32, bias.float()[..., None]], dim=-1)
-    q_aug = torch.cat([queries.float() * scale, queries.new_ones(B, H, P, 1, dtype=torch.float32)], dim=-1)
-    s = torch.matmul(k_aug, q_aug.transpose(-1, -2))
+    q_aug_t = torch.cat([queries.float() * scale, queries.new_ones(B, H, P, 1, dtype=torch.float32)],
+                        dim=-1).transpose(-1, -2).contiguous()  # [B, H, D + 1, P]
+    s = torch.matmul(k_aug, q_aug_t)
     # one shift per query row (its top logit): e = exp(s - top) in [0, 1] serves the rows' mass,
     # their output and every cluster's mass; a cluster below TINY of the top is unseen by that query
     top = s.amax(dim=2, keepdim=True)  # [B, H, 1, P]
@@ -180,14 +182,11 @@ def fit_clusters(
     separable = power == 1.0
     if separable:
         # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
-        # and sum_i a_i v_i in one scatter of [keys | values] * a (sum_i a_i = sum_r share_r)
+        # and sum_i a_i v_i, one scatter each ([B*H*M, D] sums: keys then values; sum_i a_i = sum_r share_r)
         a = torch.einsum("bhnp,bhp->bhn", e, zc.reciprocal())[..., None]  # [B, H, N, 1]
         parts = (k32, v32) if key != "mean" else (v32,)
-        x = e.new_empty(B, H, N, D * len(parts))
-        for j, part in enumerate(parts):
-            torch.mul(part, a, out=x[..., j * D:(j + 1) * D])
-        x = x.view(rows * N, -1)
-        sums = x.new_zeros(rows * M + 1, x.shape[1]).index_add_(0, flat, x)[: rows * M].view(B, H, M, -1)
+        sums = torch.cat([e.new_zeros(rows * M + 1, D).index_add_(0, flat, (x * a).view(rows * N, D))[: rows * M]
+                          for x in parts], dim=-1).view(B, H, M, -1)
     slot_keys = prior_keys.float()
     if key != "mean":
         fitted = sums[..., :D] * inv if separable else member_mean(norm, k32)
@@ -195,7 +194,7 @@ def fit_clusters(
         slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
 
     # log m - q.k: the bias each query asks for (finite where unseen, where its weight is 0)
-    y = log_mass_of(mass, top).sub_(torch.matmul(slot_keys, q_aug[..., :D].transpose(-1, -2)))
+    y = log_mass_of(mass, top).sub_(torch.matmul(slot_keys, q_aug_t[..., :D, :]))
     beta_fit = torch.linalg.vecdot(norm, y)
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
 
@@ -244,18 +243,24 @@ class RowPart:
     num: Tensor
 
 
+def _scaled_t(queries: Tensor, scale: float) -> Tensor:
+    """[B, H, P, D] -> [B, H, D, P] float32, scaled and contiguous (the matmuls' right operand)."""
+    return (queries.float() * scale).transpose(-1, -2).contiguous()
+
+
 def row_part(keys: Tensor, values: Tensor, bias: Tensor, queries: Tensor, scale: float) -> RowPart:
     """keys, values: [B, H, M, D], bias: [B, H, M] (-inf: not part of it), queries: [B, H, P, D]."""
-    s = torch.matmul(keys.float(), queries.float().transpose(-1, -2)).mul_(scale).add_(bias.float()[..., None])
+    s = torch.matmul(keys.float(), _scaled_t(queries, scale)).add_(bias.float()[..., None])
     top = s.amax(dim=2)  # -inf where none of the slots is seen (mass and num 0 then)
     e = s.sub_(torch.where(top > NEG_INF, top, 0.0)[:, :, None]).exp_()  # [B, H, M, P]
     return RowPart(top=top, mass=e.sum(2), num=torch.matmul(e.transpose(-1, -2), values.float()))
 
 
-def _attention(keys: Tensor, values: Tensor, bias: Tensor, q: Tensor, scale: float, rest: RowPart):
+def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: RowPart):
     """The moving slots' attention a [B, H, K, P] and the rows' outputs [B, H, P, D], the rows
-    being these slots and ``rest`` (a query whose row is all padding: zeros, not NaN)."""
-    s = torch.matmul(keys, q.transpose(-1, -2)).mul_(scale).add_(bias[..., None])
+    being these slots and ``rest`` (a query whose row is all padding: zeros, not NaN);
+    q_t: [B, H, D, P] the queries scaled and transposed (``_scaled_t``)."""
+    s = torch.matmul(keys, q_t).add_(bias[..., None])
     top = torch.maximum(s.amax(dim=2), rest.top)  # [B, H, P]
     top = torch.where(top > NEG_INF, top, 0.0)
     e = s.sub_(top[:, :, None]).exp_()
@@ -297,29 +302,33 @@ def refine_jointly(
     never above the per-cluster fit's
     """
     q = queries.float()
+    q_t = _scaled_t(q, scale)
     lr = step / (q.abs().sum(-1).mean(-1) * scale).clamp(min=TINY)  # [B, H]
     scale_t = targets.square().sum((-2, -1)).clamp(min=TINY)  # [B, H]
     best_err = torch.full_like(lr, float("inf"))
     for t in range(steps + 1):
-        a, out = _attention(keys, values, bias, q, scale, rest)  # [B, H, K, P], [B, H, P, D]
+        a, out = _attention(keys, values, bias, q_t, rest)  # [B, H, K, P], [B, H, P, D]
         g = out - targets
         err = g.square().sum((-2, -1))  # [B, H]
         better = err <= best_err
         best_err = torch.where(better, err, best_err)
-        if t > 0:
-            lr = torch.where(better, lr, lr * 0.5)
-            b4 = better[..., None, None]
-            best_keys, best_a, best_out = (torch.where(b4, keys, best_keys), torch.where(b4, a, best_a),
-                                           torch.where(b4, out, best_out))
+        if t == 0 or bool(better.all()):  # every head took the step: no per-head selection to copy
+            best_keys, best_a, best_out, improved = keys, a, out, True
         else:
-            best_keys, best_a, best_out = keys, a, out
+            lr = lr * torch.where(better, 1.0, 0.5)
+            improved = bool(better.any())
+            if improved:
+                b4 = better[..., None, None]
+                best_keys, best_a, best_out = (torch.where(b4, keys, best_keys), torch.where(b4, a, best_a),
+                                               torch.where(b4, out, best_out))
         if t == steps:
             break
         # d err / d logit of slot j for query r: a_jr (v_j - out_r) . g_r; the step goes from the
-        # best keys, along their gradient
-        c = torch.matmul(values, g.transpose(-1, -2)).sub_((out * g).sum(-1)[:, :, None]).mul_(a)
-        here = torch.matmul(c, q)  # [B, H, K, D], the logit scale folded into lr's sign step
-        grad = torch.where(b4, here, grad) if t > 0 else here
+        # best keys, along their gradient (a head whose step was undone keeps its gradient)
+        if improved:
+            c = torch.matmul(values, g.transpose(-1, -2)).sub_((out * g).sum(-1)[:, :, None]).mul_(a)
+            here = torch.matmul(c, q)  # [B, H, K, D], the logit scale folded into lr's sign step
+            grad = here if t == 0 or bool(better.all()) else torch.where(better[..., None, None], here, grad)
         knee = grad.abs().amax(-1, keepdim=True).mul_(SOFT_SIGN_KNEE).clamp(min=TINY)
         # a head within SETTLED of its targets moves proportionally less: rounding noise's sign
         # must not move a key a full step

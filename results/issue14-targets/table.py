@@ -7,6 +7,8 @@ from pathlib import Path
 root = Path(sys.argv[1] if len(sys.argv) > 1 else "results/issue14-targets")
 PAIRS = [("centroidkv", "centroidkv-fitted"), ("centroidkv-safe", "centroidkv-safe-fitted"),
          ("semanticache-fixed64", "semanticache-fitted"), ("kvzip-csm", "kvzip-csm-fitted")]
+# session 8: centroidkv-safe-fitted's guard reads a 64-query window; its same-cluster twin (when run)
+SAME_CLUSTERS = {"centroidkv-safe-fitted": "centroidkv-safe:query_window=64"}
 HAY = ["pg", "pydoc"]
 BUDGETS = [0.5, 0.25]
 
@@ -36,16 +38,32 @@ def cell(table, key, field, fmt="{:.4f}"):
     return fmt.format(r[field]) if r else "—"
 
 
+def vs(name, twin, label=None):
+    row = []
+    for h, b in cols:
+        v = cell(fid[h], (name, b), "kl")
+        if twin and (twin, b) in fid[h] and (name, b) in fid[h]:
+            v += f" ({fid[h][(name, b)]['kl'] / fid[h][(twin, b)]['kl'] - 1:+.1%})"
+        row.append(v)
+    print(f"| {label or f'`{name}`'} | " + " | ".join(row) + " |")
+
+
+shown = set()
 for mean, fitted in PAIRS:
-    for name in (mean, fitted):
-        row = []
-        for h, b in cols:
-            v = cell(fid[h], (name, b), "kl")
-            if name == fitted and (mean, b) in fid[h] and (fitted, b) in fid[h]:
-                v += f" ({fid[h][(fitted, b)]['kl'] / fid[h][(mean, b)]['kl'] - 1:+.1%})"
-            row.append(v)
-        print(f"| `{name}` | " + " | ".join(row) + " |")
-others = sorted({m for h in HAY for (m, _) in fid[h]} - {n for p in PAIRS for n in p} - {"full"})
+    twin = SAME_CLUSTERS.get(fitted)
+    present = any((twin, b) in fid[h] for h, b in cols) if twin else False
+    vs(mean, None)
+    if present:
+        vs(twin, None)
+        vs(fitted, twin, f"`{fitted}` vs `{twin}`")
+        vs(fitted, mean, f"`{fitted}` vs `{mean}`")
+    else:
+        vs(fitted, mean)
+    closed = f"{fitted}:merger.refine=0"
+    if any((closed, b) in fid[h] for h, b in cols):
+        vs(closed, twin if present else mean)
+    shown |= {mean, fitted, closed} | ({twin} if present else set())
+others = sorted({m for h in HAY for (m, _) in fid[h]} - shown - {"full"})
 for name in others:
     print(f"| `{name}` | " + " | ".join(cell(fid[h], (name, b), "kl") for h, b in cols) + " |")
 print(f"\nGeneration agreement (greedy 64 tokens after the compressed context + a summary request): LCS / 64, leading tokens\n\n| method | {head} |")
