@@ -105,3 +105,24 @@ def test_count_below_equals_searchsorted(seed, b, S, L, C, width, ties):
     vals[0, 0, 0] = fast._EXCLUDED
     want = torch.searchsorted(tau[None].expand(b, S, C).contiguous(), vals)
     assert torch.equal(fast._count_below(vals, tau).long(), want)
+
+
+@pytest.mark.parametrize("spread, keep, evaluations", [(0.05, 0.5, 3), (3.0, 0.05, 4)])
+def test_first_pass_top_third_then_the_rest(monkeypatch, spread, keep, evaluations):
+    """The first search pass counts its top third of candidates and the rest only when some head
+    found none feasible there: both ways (close keys: the top third suffices, 3 passes = 3 counts;
+    spread keys at a low keep: the rest is counted too, 4) the plan and tau are the old ones."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, N, D = 1, 2, 192, 16
+    protos = torch.randn(B, H, 4, D, generator=gen)
+    keys = protos.repeat_interleave(N // 4, 2) + spread * torch.randn(B, H, N, D, generator=gen)
+    state = KVState.from_raw(keys, torch.randn(B, H, N, D, generator=gen))
+    chunk = (torch.arange(N) // 32).expand(B, H, N).clone()
+    target = torch.full((B, H), int(N * keep), dtype=torch.long)
+    calls = []
+    real = fast.GreedySeedClustering._counts
+    monkeypatch.setattr(fast.GreedySeedClustering, "_counts",
+                        staticmethod(lambda *a: calls.append(a[-1].shape[0]) or real(*a)))
+    new, old = _both(state, chunk, target)
+    assert len(calls) == evaluations
+    assert torch.equal(new.parent, old.parent) and torch.equal(new.tau, old.tau)
