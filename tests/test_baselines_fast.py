@@ -115,3 +115,23 @@ def test_window_attention_is_the_slow_version_bit_for_bit(seed, N, W, merge, pad
     got = window_attention(state, q, None, proportional, reduce)
     ref = window_attention_v0(state, q, None, proportional, reduce)
     assert torch.equal(got, ref)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), N=st.integers(3, 80), chunks=st.sampled_from([1, 2]),
+       dup=st.booleans(), uneven=st.booleans(), row_block=st.sampled_from([7, 1024]))
+def test_d2o_nearest_kept_is_the_previous_version_bit_for_bit(seed, N, chunks, dup, uneven, row_block):
+    """The padding-only mask (one chunk per head, heads with different numbers of receiving
+    slots) against the version that masked every block whole (tests/slow_reference/d2o_v1.py)."""
+    import kvcompress.strategies.d2o as d2o
+    from slow_reference import d2o_v1
+
+    args = _case(seed, N, chunks, dup, uneven)
+    old_block = d2o._ROW_BLOCK
+    d2o._ROW_BLOCK = d2o_v1._ROW_BLOCK = row_block
+    try:
+        parent, best = most_similar_kept(*args)
+        parent1, best1 = d2o_v1.most_similar_kept(*args)
+    finally:
+        d2o._ROW_BLOCK = d2o_v1._ROW_BLOCK = old_block
+    assert torch.equal(parent, parent1) and torch.equal(best, best1)

@@ -105,7 +105,11 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     big = torch.iinfo(torch.long).max
     lo = torch.minimum(torch.where(k_ok, k_chunk, big).amin(-1), torch.where(e_ok, e_chunk, big).amin(-1))
     hi = torch.maximum(torch.where(k_ok, k_chunk, -big).amax(-1), torch.where(e_ok, e_chunk, -big).amax(-1))
-    masked = not bool(k_ok.all()) or bool((lo < hi).any())
+    several = bool((lo < hi).any())  # some head compares across chunks: the chunk mask everywhere
+    # else only the padding columns need masking: they trail each head's receiving slots, so the
+    # columns before the fewest receiving slots of any head are real in every head
+    first_pad = K if several else int(k_ok.sum(-1).min())
+    masked = several or first_pad < K
     k_t = k_keys.transpose(-1, -2)  # [B, H, D, K]
     e_parent = torch.empty(B, H, E, dtype=torch.long, device=device)
     e_best = torch.empty(B, H, E, dtype=torch.float32, device=device)
@@ -116,8 +120,10 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
         b = rows.stop - n0
         out = buf if b == step else torch.empty(B, H, b, K, dtype=torch.float32, device=device)
         sims = torch.matmul(e_keys[:, :, rows], k_t, out=out)  # [B, H, b, K]
-        if masked:
+        if several:
             sims.masked_fill_(k_chunk[:, :, None, :] != e_chunk[:, :, rows, None], NEG_INF)
+        elif masked:  # (padding rows of e are dropped by ``has`` below, whatever their values)
+            sims[..., first_pad:].masked_fill_(~k_ok[:, :, None, first_pad:], NEG_INF)
         val, idx = row_max(sims)
         has = e_ok[:, :, rows] & (val > NEG_INF)
         e_parent[:, :, rows] = torch.where(has, order.gather(-1, idx), -1)
