@@ -27,7 +27,7 @@ from ..protocols import Needs
 from ..registry import register_merger
 from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
-from .fitting import fit_clusters, refine_jointly, row_part
+from .fitting import fit_clusters, fit_members, refine_jointly, row_part, split_moving
 from .mergers import apply_merge_plan, is_identity_plan
 
 NEG_INF = float("-inf")
@@ -115,6 +115,15 @@ class FittedMerger:
                        ridge least-squares solve of the fitted values against it (the slots
                        compensate each other); 0 = the per-cluster closed form only
     refine_step:       the key steps' size in logit units (a step moves no query's logit by more)
+    refine_share:      the share of each head's fitted slots the key steps and the value solve move:
+                       the ones the reference queries attend to most under the closed form (the
+                       others keep it; their part of the rows is computed once); 1.0 = every fitted
+                       slot (the steps' cost scales with it)
+    shared_rows:       the rows' part of the slots that are not fitted is computed once, from the
+                       merged state, and shared by the closed form and the key steps (only the
+                       fitted clusters' members and the dropped slots are read one by one): the
+                       same fit up to float32 rounding, with less work; False = every slot's own
+                       logits (the reference). Used with power = 1 (the separable closed form)
     """
 
     queries: str = "window"
@@ -126,6 +135,8 @@ class FittedMerger:
     rounds: str = "once"
     refine: int = 3
     refine_step: float = 0.7
+    refine_share: float = 1.0
+    shared_rows: bool = False
 
     def __post_init__(self):
         query_sources(self.queries)
@@ -137,6 +148,8 @@ class FittedMerger:
         check_int("refine", self.refine, 0)
         require(self.refine <= 16, "refine", self.refine, "an integer in [0, 16] (key steps)")
         check_range("refine_step", self.refine_step, 0.0, 8.0)
+        check_range("refine_share", self.refine_share, 0.0, 1.0, lo_open=True)
+        require(isinstance(self.shared_rows, bool), "shared_rows", self.shared_rows, "True or False")
         if self.scale is not None:
             check_range("scale", self.scale, 0.0, 1e3, lo_open=True)
 
@@ -215,18 +228,14 @@ class FittedMerger:
         prior_b = compact(merged.log_sizes, (B, H, K))
         # members of clusters not fitted still count in the attention rows (cluster -1)
         sub_cluster = torch.where(member, sub.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
-        res = fit_clusters(
-            k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
-            scale=scale, power=self.power, ridge=self.ridge, key=self.key,
-        )
-
         def put(x: Tensor, fitted: Tensor, dtype: torch.dtype) -> Tensor:  # the fitted rows into a copy of x
             out = x.reshape(rows * M, -1).to(dtype, copy=True)
             out.index_copy_(0, fit_rows, fitted.reshape(-1, out.shape[1]).index_select(0, at).to(dtype))
             return out.view(x.shape)
 
-        keys, values = res.keys, res.values
-        if self.refine:
+        shared = self.shared_rows and self.power == 1.0
+        rest = logits = None
+        if self.refine or shared:
             # the slots that are not fitted stay put: their part of the rows is computed once
             # (compacted like the fitted ones: the rows' work is over the slots that stay, not all M)
             stay_rows, stay_at, S, _ = _compaction(~fit)
@@ -237,10 +246,38 @@ class FittedMerger:
 
             rest = row_part(stay(merged.keys), stay(merged.values), stay(merged.log_sizes.float(), NEG_INF),
                             queries, scale)
+        if shared:
+            # one by one: the fitted clusters' members and the dropped slots (which still count in the
+            # rows); the slots that stay are ``rest``
+            own_rows, own_at, Nm, _ = _compaction((sub_cluster >= 0) | ~member)
+            Nm = max(Nm, 1)
+
+            def own(x: Tensor, fill: float = 0.0) -> Tensor:
+                return _compact(x, own_rows, own_at, rows * Nm, fill).view(B, H, Nm, *x.shape[3:])
+
+            res, logits = fit_members(
+                own(k_in), own(v_in), own(state.log_sizes.float(), NEG_INF), own(sub_cluster, -1), rest, queries,
+                prior_k, prior_v, prior_b, scale=scale, ridge=self.ridge, key=self.key)
+        else:
+            res = fit_clusters(
+                k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
+                scale=scale, power=self.power, ridge=self.ridge, key=self.key,
+            )
+        keys, values = res.keys, res.values
+        if self.refine:
             live = torch.zeros(rows * K, dtype=torch.bool, device=dev).index_fill_(0, at, True).view(B, H, K)
-            keys, values = refine_jointly(keys, values, res.bias.masked_fill(~live, NEG_INF), rest, queries,
-                                          res.targets, scale=scale, steps=self.refine, step=self.refine_step,
-                                          dtype=merged.keys.dtype)
+            bias = res.bias.masked_fill(~live, NEG_INF)
+            if self.refine_share < 1.0:
+                moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share,
+                                            logits=logits)
+                take = moving[..., None].expand(-1, -1, -1, D)
+                moved_k, moved_v = refine_jointly(keys.gather(2, take), values.gather(2, take), bias.gather(2, moving),
+                                                  rest, queries, res.targets, scale=scale, steps=self.refine,
+                                                  step=self.refine_step, dtype=merged.keys.dtype)
+                keys, values = keys.scatter(2, take, moved_k), values.scatter(2, take, moved_v)
+            else:
+                keys, values = refine_jointly(keys, values, bias, rest, queries, res.targets, scale=scale,
+                                              steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype)
         # only the fitted rows change: everything else stays the merge's, bit for bit
         return merged.replace(keys=put(merged.keys, keys, merged.keys.dtype),
                               values=put(merged.values, values, merged.values.dtype),
@@ -276,17 +313,15 @@ _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _differs_from(keys: Tensor, other: Tensor) -> Tensor:
     """[B, H, N] bool: slot n's key is not bitwise equal to slot other[n]'s (other: [B, H, N] long).
-    Exact: keys whose bit patterns sum to different totals differ; the few pairs of other slots
-    with equal sums (equal keys, or a rare collision) are compared element by element. One pass over
-    the keys instead of a gather, an XOR and two reductions of [B, H, N, D]."""
+    Exact: only the slots whose other slot is not themselves are compared, bit pattern by bit
+    pattern (a representative's own members are the merged ones: a fraction of the slots)."""
     B, H, N, D = keys.shape
     bits = keys.reshape(B * H * N, D).view(_INT_OF[keys.element_size()])
-    total = bits.sum(-1, dtype=torch.int64)  # [B * H * N]
     index = _flat_index(other, N)
-    differs = total != total.index_select(0, index)
-    alike = ((~differs) & (index != torch.arange(index.numel(), device=index.device))).nonzero().squeeze(1)
-    if alike.numel():
-        differs[alike] = (bits.index_select(0, alike) != bits.index_select(0, index.index_select(0, alike))).any(-1)
+    pairs = (index != torch.arange(index.numel(), device=index.device)).nonzero().squeeze(1)
+    differs = torch.zeros(B * H * N, dtype=torch.bool, device=keys.device)
+    if pairs.numel():
+        differs[pairs] = (bits.index_select(0, pairs) != bits.index_select(0, index.index_select(0, pairs))).any(-1)
     return differs.view(B, H, N)
 
 
