@@ -27,7 +27,7 @@ from ..protocols import Needs
 from ..registry import register_merger
 from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
-from .fitting import fit_clusters, fit_members, refine_jointly, row_part, split_moving
+from .fitting import fit_clusters, refine_jointly, row_part, split_moving
 from .mergers import apply_merge_plan, is_identity_plan
 
 NEG_INF = float("-inf")
@@ -69,7 +69,7 @@ def cluster_index(parent: Tensor) -> Tensor:
 
 
 def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted merger",
-                    limit: int | None = None) -> Tensor:
+                    limit: int | None = None, stride: int = 1) -> Tensor:
     """The reference queries of ``names`` in extras, concatenated and grouped by KV head:
     [B, Hq, R, D] -> [B, H, G * R, D] (query head h * G + g belongs to KV head h)."""
     B, H, _, D = state.keys.shape
@@ -84,6 +84,8 @@ def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted m
                 f"a tensor [B={B}, Hq (a multiple of {H}), R >= 1, D={D}]")
         if name == WINDOW_QUERIES and limit is not None:
             q = q[:, :, -limit:]  # other strategies may have asked for a longer window
+        if stride > 1:  # every stride-th query, the last one included
+            q = q[:, :, (q.shape[2] - 1) % stride::stride]
         parts.append(q.reshape(B, H, -1, D))
     return torch.cat(parts, dim=2).to(state.keys.device)
 
@@ -119,11 +121,8 @@ class FittedMerger:
                        the ones the reference queries attend to most under the closed form (the
                        others keep it; their part of the rows is computed once); 1.0 = every fitted
                        slot (the steps' cost scales with it)
-    shared_rows:       the rows' part of the slots that are not fitted is computed once, from the
-                       merged state, and shared by the closed form and the key steps (only the
-                       fitted clusters' members and the dropped slots are read one by one): the
-                       same fit up to float32 rounding, with less work; False = every slot's own
-                       logits (the reference). Used with power = 1 (the separable closed form)
+    query_stride:      the fit reads every ``query_stride``-th of each source's queries (the last one
+                       included): the same span of the window for a share of the work
     """
 
     queries: str = "window"
@@ -136,7 +135,7 @@ class FittedMerger:
     refine: int = 3
     refine_step: float = 0.7
     refine_share: float = 1.0
-    shared_rows: bool = False
+    query_stride: int = 1
 
     def __post_init__(self):
         query_sources(self.queries)
@@ -149,7 +148,7 @@ class FittedMerger:
         require(self.refine <= 16, "refine", self.refine, "an integer in [0, 16] (key steps)")
         check_range("refine_step", self.refine_step, 0.0, 8.0)
         check_range("refine_share", self.refine_share, 0.0, 1.0, lo_open=True)
-        require(isinstance(self.shared_rows, bool), "shared_rows", self.shared_rows, "True or False")
+        check_int("query_stride", self.query_stride, 1)
         if self.scale is not None:
             check_range("scale", self.scale, 0.0, 1e3, lo_open=True)
 
@@ -214,7 +213,8 @@ class FittedMerger:
         ).view(B, H, M + 1)[:, :, :M] > 0  # [B, H, M]
         if not bool(fit.any()):
             return merged.replace(counts=counts)
-        queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
+        queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries,
+                                  stride=self.query_stride)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
         # fit only the K clusters per head that need it, renumbered 0..K-1 (heads with fewer have
         # empty rows: no members, never read); index copies in and out, no [B, H, M, D] gathers
@@ -233,9 +233,11 @@ class FittedMerger:
             out.index_copy_(0, fit_rows, fitted.reshape(-1, out.shape[1]).index_select(0, at).to(dtype))
             return out.view(x.shape)
 
-        shared = self.shared_rows and self.power == 1.0
-        rest = logits = None
-        if self.refine or shared:
+        res = fit_clusters(
+            k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
+            scale=scale, power=self.power, ridge=self.ridge, key=self.key,
+        )
+        if self.refine:
             # the slots that are not fitted stay put: their part of the rows is computed once
             # (compacted like the fitted ones: the rows' work is over the slots that stay, not all M)
             stay_rows, stay_at, S, _ = _compaction(~fit)
@@ -246,30 +248,12 @@ class FittedMerger:
 
             rest = row_part(stay(merged.keys), stay(merged.values), stay(merged.log_sizes.float(), NEG_INF),
                             queries, scale)
-        if shared:
-            # one by one: the fitted clusters' members and the dropped slots (which still count in the
-            # rows); the slots that stay are ``rest``
-            own_rows, own_at, Nm, _ = _compaction((sub_cluster >= 0) | ~member)
-            Nm = max(Nm, 1)
-
-            def own(x: Tensor, fill: float = 0.0) -> Tensor:
-                return _compact(x, own_rows, own_at, rows * Nm, fill).view(B, H, Nm, *x.shape[3:])
-
-            res, logits = fit_members(
-                own(k_in), own(v_in), own(state.log_sizes.float(), NEG_INF), own(sub_cluster, -1), rest, queries,
-                prior_k, prior_v, prior_b, scale=scale, ridge=self.ridge, key=self.key)
-        else:
-            res = fit_clusters(
-                k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
-                scale=scale, power=self.power, ridge=self.ridge, key=self.key,
-            )
         keys, values = res.keys, res.values
         if self.refine:
             live = torch.zeros(rows * K, dtype=torch.bool, device=dev).index_fill_(0, at, True).view(B, H, K)
             bias = res.bias.masked_fill(~live, NEG_INF)
             if self.refine_share < 1.0:
-                moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share,
-                                            logits=logits)
+                moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share)
                 take = moving[..., None].expand(-1, -1, -1, D)
                 moved_k, moved_v = refine_jointly(keys.gather(2, take), values.gather(2, take), bias.gather(2, moving),
                                                   rest, queries, res.targets, scale=scale, steps=self.refine,

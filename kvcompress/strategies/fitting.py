@@ -216,71 +216,6 @@ def fit_clusters(
     return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff, targets=row_out)
 
 
-def fit_members(
-    keys: Tensor,
-    values: Tensor,
-    bias: Tensor,
-    cluster: Tensor,
-    rest: "RowPart",
-    queries: Tensor,
-    prior_keys: Tensor,
-    prior_values: Tensor,
-    prior_bias: Tensor,
-    *,
-    scale: float,
-    ridge: float = 1.0,
-    key: str = "mean",
-) -> tuple[FitResult, Tensor]:
-    """``fit_clusters`` with power = 1, reading the rows' part of the slots that stay from ``rest``
-    (computed once, from the merged state, and reused by the joint steps) instead of every slot's
-    own logits: only the fitted clusters' members (and the dropped slots, which still count in
-    the rows) are passed one by one. The same fit up to float32 rounding.
-
-    keys, values: [B, H, Nm, D] those slots (padding rows: bias -inf); bias: [B, H, Nm]
-    cluster:      [B, H, Nm] long, fitted slot in [0, K) of each, -1 = it only counts in the rows
-    rest:         ``row_part`` of the merged slots that are not fitted
-    returns the FitResult (keys, values, bias of the K fitted slots) and their logits without the
-    bias, q.k * scale [B, H, K, P] (the joint steps start from them)
-    """
-    B, H, Nm, D = keys.shape
-    K = prior_bias.shape[-1]
-    P = queries.shape[2]
-    rows = B * H
-    k32, v32 = keys.float(), values.float()
-    q_t = _scaled_t(queries, scale)
-    s = torch.matmul(k32, q_t).add_(bias.float()[..., None])  # [B, H, Nm, P]
-    top = torch.maximum(s.amax(dim=2), rest.top)
-    top = torch.where(top > NEG_INF, top, 0.0)  # [B, H, P]
-    e = s.sub_(top[:, :, None]).exp_()
-    shift = (rest.top - top).exp_()
-    zc = e.sum(2).add_(rest.mass * shift).clamp_(min=1.0)  # >= 1: top is one of the rows' terms
-    row_out = torch.matmul(e.transpose(-1, -2), v32).add_(rest.num * shift[..., None]).div_(zc[..., None])
-    flat = torch.where(cluster >= 0, cluster + torch.arange(rows, device=keys.device).view(B, H, 1) * K,
-                       rows * K).reshape(-1)
-    mass = e.new_zeros(rows * K + 1, P).index_add_(0, flat, e.view(rows * Nm, P))[: rows * K].view(B, H, K, P)
-    torch.nn.functional.threshold_(mass, TINY, 0.0)
-    share = mass / zc[:, :, None]
-    a = torch.matmul(e, zc.reciprocal()[..., None])  # [B, H, Nm, 1], the attention each member receives
-    parts = torch.cat([k32, v32], dim=-1) if key != "mean" else v32
-    sums = e.new_zeros(rows * K + 1, parts.shape[-1]).index_add_(
-        0, flat, (parts * a).view(rows * Nm, -1))[: rows * K].view(B, H, K, -1)
-    norm, n_eff, inv = _weights(share, 1.0)
-    alpha = _shrink(n_eff, ridge)
-    slot_keys = prior_keys.float()
-    if key != "mean":
-        slot_keys = torch.lerp(sums[..., :D] * inv, slot_keys, alpha[..., None]).to(keys.dtype).float()
-    kq = torch.matmul(slot_keys, q_t)  # [B, H, K, P]
-    y = log_mass_of(mass, top[:, :, None]).sub_(kq)
-    beta = torch.lerp(torch.linalg.vecdot(norm, y), prior_bias.float(), alpha)
-    rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp_()
-    fitted_share = share / rho
-    _, n_eff2, inv2 = _weights(fitted_share, 1.0)
-    own = sums[..., D:] if key != "mean" else sums
-    value_fit = torch.matmul(fitted_share.sub_(share), row_out).add_(own).mul_(inv2)
-    slot_values = torch.lerp(value_fit, prior_values.float(), _shrink(n_eff2, ridge)[..., None])
-    return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff, targets=row_out), kq
-
-
 # the soft sign's knee, as a share of a slot's largest key-gradient entry: entries well above it
 # move a full step (the sign of the gradient, as Adam's first steps do), entries below it move in
 # proportion (continuous in the inputs; a slot no query sees does not move)
@@ -337,22 +272,19 @@ def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: Ro
 
 
 def split_moving(keys: Tensor, values: Tensor, bias: Tensor, rest: RowPart, queries: Tensor, *, scale: float,
-                 share: float, logits: Tensor | None = None) -> tuple[Tensor, RowPart]:
+                 share: float) -> tuple[Tensor, RowPart]:
     """The ``share`` of each head's fitted slots that the key steps move: those the reference queries
     attend to most under the closed form (their summed attention over the queries; the other slots
     carry little of any row, and moving them buys little KL for the same work), and the rows' part
     of the others folded into ``rest`` (they stay put: their terms are computed once).
 
     keys, values: [B, H, K, D] float32 fitted slots; bias: [B, H, K] (-inf: an empty row)
-    logits:       [B, H, K, P] q.k * scale of these keys when already computed (``fit_members``)
     returns the moving slots' indices [B, H, T] (T = ceil(share * K), in no particular order) and the
     rows' part of ``rest`` and of the slots that stay, one RowPart
     """
     K = keys.shape[2]
     T = max(1, min(K, math.ceil(share * K)))
-    if logits is None:
-        logits = torch.matmul(keys, _scaled_t(queries, scale))
-    s = logits + bias[..., None]  # [B, H, K, P]
+    s = torch.matmul(keys, _scaled_t(queries, scale)).add_(bias[..., None])  # [B, H, K, P]
     top = torch.maximum(s.amax(dim=2), rest.top)
     top = torch.where(top > NEG_INF, top, 0.0)  # [B, H, P]
     e = s.sub_(top[:, :, None]).exp_()
