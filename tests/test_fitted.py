@@ -105,6 +105,11 @@ def test_fitted_generalises_to_fresh_queries_of_the_same_heads():
     assert fit_err * 3 <= mean_err, (mean_err, fit_err)
 
 
+def _identical_and_singletons_kept(fit: KVState, mean: KVState) -> None:
+    for x, y in ((fit.keys, mean.keys), (fit.values, mean.values), (fit.log_sizes[..., None], mean.log_sizes[..., None])):
+        assert torch.equal(x[..., 1, :], y[..., 1, :]) and torch.equal(x[..., 4:, :], y[..., 4:, :])
+
+
 def test_identical_members_and_singletons_are_the_mean_rule_bit_for_bit():
     state, parent = clustered_state(3, N=32)
     g = torch.Generator().manual_seed(1)
@@ -115,6 +120,8 @@ def test_identical_members_and_singletons_are_the_mean_rule_bit_for_bit():
     parent = parent.clone()
     parent[..., 16:] = torch.arange(16, 32)  # singletons
     mean = apply_merge_plan(state, parent)
+    for fit in (fitted(key="attention")(state, parent), fitted(key="attention", refine_share=0.25)(state, parent)):
+        _identical_and_singletons_kept(fit, mean)
     fit = fitted(key="attention")(state, parent)
     assert torch.equal(fit.keys[..., 1, :], mean.keys[..., 1, :])
     assert torch.equal(fit.values[..., 1, :], mean.values[..., 1, :])
@@ -263,8 +270,9 @@ def test_never_nan_or_inf(dtype, case):
     plan = torch.where(base.valid, parent, -1)
     if case == "padding":
         plan[..., 8:12] = 8  # a cluster that starts after the padding
-    for key, power in (("mean", 1.0), ("attention", 1.0), ("attention", 2.0)):
-        out = fitted(key=key, power=power)(base, plan)
+    for key, power, share in (("mean", 1.0, 1.0), ("attention", 1.0, 1.0), ("attention", 2.0, 1.0),
+                              ("attention", 1.0, 0.25)):
+        out = fitted(key=key, power=power, refine_share=share, query_stride=1 if share == 1.0 else 2)(base, plan)
         assert out.keys.dtype == dtype and out.values.dtype == dtype
         assert bool(torch.isfinite(out.keys).all() and torch.isfinite(out.values).all())
         ls = out.log_sizes
@@ -340,6 +348,8 @@ def test_window_queries_are_the_last_r_of_the_query_window():
     ({"rounds": "twice"}, "rounds"), ({"queries": "question"}, "queries"), ({"queries": "window+window"}, "queries"),
     ({"queries": "window+"}, "queries"), ({"key": "max"}, "key"), ({"power": -1.0}, "power"),
     ({"ridge": -0.5}, "ridge"), ({"reference_queries": 0}, "reference_queries"), ({"scale": 0.0}, "scale"),
+    ({"refine_share": 0.0}, "refine_share"), ({"refine_share": 1.5}, "refine_share"),
+    ({"query_stride": 0}, "query_stride"), ({"query_stride": 1.5}, "query_stride"),
 ])
 def test_bad_parameters_are_value_errors_naming_them(params, name):
     with pytest.raises(ValueError, match=name):
@@ -652,3 +662,60 @@ def test_presets_fit_once_to_their_query_window():
     cfg = get_preset("centroidkv-safe-fitted")
     assert cfg.query_window == 64 and Pipeline(cfg).needs.query_window == 64
     assert Pipeline(get_preset("kvzip-csm-fitted")).needs.query_window == 32
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
+def test_moving_a_share_of_the_slots_never_raises_the_closed_forms_error(share):
+    """refine_share < 1: the steps move only the most-attended share of the fitted slots; the
+    others keep the closed form bit for bit, and the error on the reference queries is never above
+    the closed form's (and below it in every case here)."""
+    for seed in range(4):
+        state, parent = clustered_state(seed, G=2, size=4, spread=0.4)
+        q = state.extras["reference_queries"]
+        full = outputs(state, q)
+        closed, part = fitted(refine=0)(state, parent), fitted(refine_share=share)(state, parent)
+        assert rel_err(part, full, q) < rel_err(closed, full, q)
+        assert torch.equal(part.log_sizes, closed.log_sizes)  # the steps move keys and values only
+        moved = (part.keys != closed.keys).any(-1)  # [B, H, M]
+        assert int(moved.sum(-1).max()) <= math.ceil(share * closed.num_slots)
+        # the slots that moved are the most attended under the closed form
+        s = torch.einsum("bhgrd,bhmd->bhmgr", q.view(1, 2, 2, -1, q.shape[-1]), closed.keys) / q.shape[-1] ** 0.5
+        att = (s + closed.log_sizes[..., None, None]).softmax(2).sum((-2, -1))  # [B, H, M]
+        for h in range(2):
+            if bool(moved[0, h].any()) and bool((~moved[0, h]).any()):
+                assert float(att[0, h][moved[0, h]].min()) >= float(att[0, h][~moved[0, h]].max()) - 1e-6
+
+
+def test_a_share_of_one_is_the_full_refinement_bit_for_bit():
+    state, parent = clustered_state(2, G=2)
+    a, b = fitted()(state, parent), fitted(refine_share=1.0)(state, parent)
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.log_sizes, b.log_sizes)
+
+
+def test_split_moving_folds_the_slots_that_stay_into_the_rows():
+    """The rows' part of the staying slots plus the moving ones gives the full rows' softmax output
+    (float64 reference)."""
+    from kvcompress.strategies.fitting import _attention, _scaled_t, row_part, split_moving
+    g = torch.Generator().manual_seed(0)
+    B, H, K, S, P, D = 1, 2, 10, 6, 7, 8
+    keys, values = torch.randn(B, H, K, D, generator=g), torch.randn(B, H, K, D, generator=g)
+    bias = torch.randn(B, H, K, generator=g)
+    bias[0, 1, -2:] = float("-inf")  # empty rows
+    ks, vs, bs = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, generator=g)
+    q = 3 * torch.randn(B, H, P, D, generator=g)
+    scale = D ** -0.5
+    moving, part = split_moving(keys, values, bias, row_part(ks, vs, bs, q, scale), q, scale=scale, share=0.3)
+    assert moving.shape == (B, H, 3)
+    take = moving[..., None].expand(-1, -1, -1, D)
+    _, out = _attention(keys.gather(2, take), values.gather(2, take), bias.gather(2, moving), _scaled_t(q, scale), part)
+    allk, allv = torch.cat([keys, ks], 2).double(), torch.cat([values, vs], 2).double()
+    w = (torch.einsum("bhpd,bhnd->bhpn", q.double(), allk) * scale + torch.cat([bias, bs], 2).double()[:, :, None]).softmax(-1)
+    assert torch.allclose(out.double(), w @ allv, atol=1e-5)
+
+
+def test_query_stride_reads_every_stride_th_query_the_last_included():
+    state, parent = clustered_state(4, R=24)
+    q = state.extras["reference_queries"]
+    a = fitted(query_stride=3)(state, parent)
+    b = fitted()(state.replace(extras={"reference_queries": q[:, :, 2::3]}), parent)
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.log_sizes, b.log_sizes)

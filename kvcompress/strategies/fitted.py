@@ -27,7 +27,7 @@ from ..protocols import Needs
 from ..registry import register_merger
 from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
-from .fitting import fit_clusters, refine_jointly, row_part
+from .fitting import fit_clusters, refine_jointly, row_part, split_moving
 from .mergers import apply_merge_plan, is_identity_plan
 
 NEG_INF = float("-inf")
@@ -69,7 +69,7 @@ def cluster_index(parent: Tensor) -> Tensor:
 
 
 def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted merger",
-                    limit: int | None = None) -> Tensor:
+                    limit: int | None = None, stride: int = 1) -> Tensor:
     """The reference queries of ``names`` in extras, concatenated and grouped by KV head:
     [B, Hq, R, D] -> [B, H, G * R, D] (query head h * G + g belongs to KV head h)."""
     B, H, _, D = state.keys.shape
@@ -84,6 +84,8 @@ def grouped_queries(state: KVState, names: tuple[str, ...], who: str = "fitted m
                 f"a tensor [B={B}, Hq (a multiple of {H}), R >= 1, D={D}]")
         if name == WINDOW_QUERIES and limit is not None:
             q = q[:, :, -limit:]  # other strategies may have asked for a longer window
+        if stride > 1:  # every stride-th query, the last one included
+            q = q[:, :, (q.shape[2] - 1) % stride::stride]
         parts.append(q.reshape(B, H, -1, D))
     return torch.cat(parts, dim=2).to(state.keys.device)
 
@@ -115,6 +117,12 @@ class FittedMerger:
                        ridge least-squares solve of the fitted values against it (the slots
                        compensate each other); 0 = the per-cluster closed form only
     refine_step:       the key steps' size in logit units (a step moves no query's logit by more)
+    refine_share:      the share of each head's fitted slots the key steps and the value solve move:
+                       the ones the reference queries attend to most under the closed form (the
+                       others keep it; their part of the rows is computed once); 1.0 = every fitted
+                       slot (the steps' cost scales with it)
+    query_stride:      the fit reads every ``query_stride``-th of each source's queries (the last one
+                       included): the same span of the window for a share of the work
     """
 
     queries: str = "window"
@@ -126,6 +134,8 @@ class FittedMerger:
     rounds: str = "once"
     refine: int = 3
     refine_step: float = 0.7
+    refine_share: float = 1.0
+    query_stride: int = 1
 
     def __post_init__(self):
         query_sources(self.queries)
@@ -137,6 +147,8 @@ class FittedMerger:
         check_int("refine", self.refine, 0)
         require(self.refine <= 16, "refine", self.refine, "an integer in [0, 16] (key steps)")
         check_range("refine_step", self.refine_step, 0.0, 8.0)
+        check_range("refine_share", self.refine_share, 0.0, 1.0, lo_open=True)
+        check_int("query_stride", self.query_stride, 1)
         if self.scale is not None:
             check_range("scale", self.scale, 0.0, 1e3, lo_open=True)
 
@@ -201,7 +213,8 @@ class FittedMerger:
         ).view(B, H, M + 1)[:, :, :M] > 0  # [B, H, M]
         if not bool(fit.any()):
             return merged.replace(counts=counts)
-        queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries)
+        queries = grouped_queries(state, query_sources(self.queries), limit=self.reference_queries,
+                                  stride=self.query_stride)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(state.head_dim)
         # fit only the K clusters per head that need it, renumbered 0..K-1 (heads with fewer have
         # empty rows: no members, never read); index copies in and out, no [B, H, M, D] gathers
@@ -215,17 +228,15 @@ class FittedMerger:
         prior_b = compact(merged.log_sizes, (B, H, K))
         # members of clusters not fitted still count in the attention rows (cluster -1)
         sub_cluster = torch.where(member, sub.gather(-1, cluster.clamp(min=0)), -1)  # [B, H, N]
-        res = fit_clusters(
-            k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
-            scale=scale, power=self.power, ridge=self.ridge, key=self.key,
-        )
-
         def put(x: Tensor, fitted: Tensor, dtype: torch.dtype) -> Tensor:  # the fitted rows into a copy of x
             out = x.reshape(rows * M, -1).to(dtype, copy=True)
             out.index_copy_(0, fit_rows, fitted.reshape(-1, out.shape[1]).index_select(0, at).to(dtype))
             return out.view(x.shape)
 
-        keys, values = res.keys, res.values
+        res = fit_clusters(
+            k_in, v_in, state.log_sizes, sub_cluster, queries, prior_k, prior_v, prior_b,
+            scale=scale, power=self.power, ridge=self.ridge, key=self.key,
+        )
         if self.refine:
             # the slots that are not fitted stay put: their part of the rows is computed once
             # (compacted like the fitted ones: the rows' work is over the slots that stay, not all M)
@@ -237,10 +248,20 @@ class FittedMerger:
 
             rest = row_part(stay(merged.keys), stay(merged.values), stay(merged.log_sizes.float(), NEG_INF),
                             queries, scale)
+        keys, values = res.keys, res.values
+        if self.refine:
             live = torch.zeros(rows * K, dtype=torch.bool, device=dev).index_fill_(0, at, True).view(B, H, K)
-            keys, values = refine_jointly(keys, values, res.bias.masked_fill(~live, NEG_INF), rest, queries,
-                                          res.targets, scale=scale, steps=self.refine, step=self.refine_step,
-                                          dtype=merged.keys.dtype)
+            bias = res.bias.masked_fill(~live, NEG_INF)
+            if self.refine_share < 1.0:
+                moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share)
+                take = moving[..., None].expand(-1, -1, -1, D)
+                moved_k, moved_v = refine_jointly(keys.gather(2, take), values.gather(2, take), bias.gather(2, moving),
+                                                  rest, queries, res.targets, scale=scale, steps=self.refine,
+                                                  step=self.refine_step, dtype=merged.keys.dtype)
+                keys, values = keys.scatter(2, take, moved_k), values.scatter(2, take, moved_v)
+            else:
+                keys, values = refine_jointly(keys, values, bias, rest, queries, res.targets, scale=scale,
+                                              steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype)
         # only the fitted rows change: everything else stays the merge's, bit for bit
         return merged.replace(keys=put(merged.keys, keys, merged.keys.dtype),
                               values=put(merged.values, values, merged.values.dtype),
@@ -276,17 +297,15 @@ _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _differs_from(keys: Tensor, other: Tensor) -> Tensor:
     """[B, H, N] bool: slot n's key is not bitwise equal to slot other[n]'s (other: [B, H, N] long).
-    Exact: keys whose bit patterns sum to different totals differ; the few pairs of other slots
-    with equal sums (equal keys, or a rare collision) are compared element by element. One pass over
-    the keys instead of a gather, an XOR and two reductions of [B, H, N, D]."""
+    Exact: only the slots whose other slot is not themselves are compared, bit pattern by bit
+    pattern (a representative's own members are the merged ones: a fraction of the slots)."""
     B, H, N, D = keys.shape
     bits = keys.reshape(B * H * N, D).view(_INT_OF[keys.element_size()])
-    total = bits.sum(-1, dtype=torch.int64)  # [B * H * N]
     index = _flat_index(other, N)
-    differs = total != total.index_select(0, index)
-    alike = ((~differs) & (index != torch.arange(index.numel(), device=index.device))).nonzero().squeeze(1)
-    if alike.numel():
-        differs[alike] = (bits.index_select(0, alike) != bits.index_select(0, index.index_select(0, alike))).any(-1)
+    pairs = (index != torch.arange(index.numel(), device=index.device)).nonzero().squeeze(1)
+    differs = torch.zeros(B * H * N, dtype=torch.bool, device=keys.device)
+    if pairs.numel():
+        differs[pairs] = (bits.index_select(0, pairs) != bits.index_select(0, index.index_select(0, pairs))).any(-1)
     return differs.view(B, H, N)
 
 

@@ -41,6 +41,7 @@ flat [rows, P] tensors with index_add / index_reduce over members: no loop per s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -268,6 +269,34 @@ def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: Ro
     inv = (e.sum(2) + rest.mass * shift).clamp(min=TINY).reciprocal_()  # [B, H, P]
     out = torch.matmul(e.transpose(-1, -2), values).add_(rest.num * shift[..., None]).mul_(inv[..., None])
     return e.mul_(inv[:, :, None]), out
+
+
+def split_moving(keys: Tensor, values: Tensor, bias: Tensor, rest: RowPart, queries: Tensor, *, scale: float,
+                 share: float) -> tuple[Tensor, RowPart]:
+    """The ``share`` of each head's fitted slots that the key steps move: those the reference queries
+    attend to most under the closed form (their summed attention over the queries; the other slots
+    carry little of any row, and moving them buys little KL for the same work), and the rows' part
+    of the others folded into ``rest`` (they stay put: their terms are computed once).
+
+    keys, values: [B, H, K, D] float32 fitted slots; bias: [B, H, K] (-inf: an empty row)
+    returns the moving slots' indices [B, H, T] (T = ceil(share * K), in no particular order) and the
+    rows' part of ``rest`` and of the slots that stay, one RowPart
+    """
+    K = keys.shape[2]
+    T = max(1, min(K, math.ceil(share * K)))
+    s = torch.matmul(keys, _scaled_t(queries, scale)).add_(bias[..., None])  # [B, H, K, P]
+    top = torch.maximum(s.amax(dim=2), rest.top)
+    top = torch.where(top > NEG_INF, top, 0.0)  # [B, H, P]
+    e = s.sub_(top[:, :, None]).exp_()
+    shift = (rest.top - top).exp_()
+    rest_mass = rest.mass * shift
+    inv = (e.sum(2) + rest_mass).clamp(min=TINY).reciprocal_()  # [B, H, P]
+    attention = torch.matmul(e, inv[..., None])[..., 0]  # [B, H, K]: sum_r a_jr
+    moving = attention.topk(T, dim=-1, sorted=False).indices  # [B, H, T]
+    e.scatter_(2, moving[..., None].expand(-1, -1, -1, e.shape[-1]), 0.0)  # the slots that stay
+    part = RowPart(top=top, mass=rest_mass.add_(e.sum(2)),
+                   num=torch.matmul(e.transpose(-1, -2), values).add_(rest.num * shift[..., None]))
+    return moving, part
 
 
 def refine_jointly(
