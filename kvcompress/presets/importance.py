@@ -55,6 +55,11 @@ HYBRID_SENTENCE_SHARE = 0.8  # kvzip-hybrid: sentences by importance + surprisal
 HYBRID_TOKEN_SHARE = 0.15  # kvzip-hybrid: per-head best tokens by reconstruction score (Ada-KV split)
 COPY_HEADS = 0.05  # kvzip-copy-heads: share of (layer, KV head) pairs, by copy score, that keep the sentences (dev: 0.05-0.5)
 COPY_OTHER_TOKEN_SHARE = 0.5  # kvzip-copy-heads: the other heads' own tokens (kvzip-d2o-tokens' TOKEN_SHARE)
+FIT_QUERIES = "window"  # kvzip-copy-heads-fitted: the queries the merged slots are fitted to (dev, pydoc)
+FIT_REFERENCE = 32  # ... how many per layer (the query window)
+FIT_THRESHOLD = None  # ... D2O's test in the plan: merge when the key cosine reaches the head's mean, else drop
+FIT_HEAD_BUDGET = "uniform"  # ... the per-head tokens split evenly over the heads (dev: below "adaptive" with the fit)
+FIT_QUERY_SHARE = 0.0  # ... share of the sentences' allowance picked first by the window queries' attention
 SCORER = {"name": "reconstruction"}
 
 
@@ -171,6 +176,23 @@ def kvzip_copy_heads() -> PipelineConfig:
     return _d2o("kvzip-copy-heads", importance_guard(HYBRID_SENTENCE_SHARE, reduce="median", surprisal=SURPRISAL_WEIGHT,
                                                      token_share=HYBRID_TOKEN_SHARE, head_budget="adaptive",
                                                      copy_heads=COPY_HEADS, other_token_share=COPY_OTHER_TOKEN_SHARE))
+
+
+@register_preset("kvzip-copy-heads-fitted")
+def kvzip_copy_heads_fitted() -> PipelineConfig:
+    """kvzip-copy-heads' slots (sentences in the copy heads, own tokens and SnapKV's choice in the
+    others, exact) with the merged slots fitted to the layer's queries (the ``fitted`` merger);
+    an evicted token merges only when D2O's similarity test passes, else it is dropped."""
+    base = kvzip_copy_heads()
+    guard = importance_guard(HYBRID_SENTENCE_SHARE, reduce="median", surprisal=SURPRISAL_WEIGHT,
+                             token_share=HYBRID_TOKEN_SHARE, head_budget=FIT_HEAD_BUDGET, copy_heads=COPY_HEADS,
+                             other_token_share=COPY_OTHER_TOKEN_SHARE, query_share=FIT_QUERY_SHARE)
+    return base.replace(
+        name="kvzip-copy-heads-fitted",
+        clusterer=StrategySpec("d2o-similar", {**base.clusterer.params, "threshold": FIT_THRESHOLD}),
+        merger=StrategySpec("fitted", {"queries": FIT_QUERIES, "reference_queries": FIT_REFERENCE}),
+        guards=(guard,),
+    )
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:

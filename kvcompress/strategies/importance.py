@@ -28,13 +28,14 @@ from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
 from ..validation import check_choice, check_range, require
-from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_sum
+from .sentences import SENTENCE_ENDS, query_signal, select_sentences, sentence_ids, sentence_sum
 from .guards import decided_for
 
 STAT = "reconstruction"
 SURPRISAL = "surprisal"  # extras [B, T] float32: each context token's prefill surprisal (kvcompress.hf.reconstruct)
 COPY = "reconstruction_copy"  # extras [B, H] float32 per layer: each KV head's copy score (kvcompress.hf.reconstruct)
 REDUCES = ("mean", "sum", "max", "median")
+QUERY_WINDOW = 32  # the guard's query_share: last queries of each layer it asks the cache to record
 HEAD_BUDGETS = ("uniform", "adaptive")
 
 
@@ -173,6 +174,12 @@ class ImportanceGuard:
             "retrieval" heads, RazorAttention / DuoAttention). Every other head gives the sentences'
             allowance to its own best tokens by reconstruction score (``other_token_share``).
             1: every head keeps the sentences (the copy score is not read)
+    query_share: share of the sentences' allowance given first to the sentences the last
+            ``query_window`` queries attend to most (the ``sentences`` guard's "query" signal: per
+            (layer, head) the largest probability any window query gives a token of the sentence,
+            summed over the layers after the first two and the heads); a question inside the prompt
+            points at its answer, which the question-free ranking may miss. The rest of the
+            allowance goes to the ranking above. Needs ``query_window`` > 0 (asked for: 32)
     other_token_share: with ``copy_heads`` < 1, the share of the budget the heads without
             sentences give to their own best tokens by reconstruction score (the rest of their
             budget: SnapKV's choice and merging); None: share + token_share (the whole allowance)
@@ -188,11 +195,13 @@ class ImportanceGuard:
 
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
-                 copy_heads: float = 1.0, other_token_share: float | None = None,
+                 copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
                  ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         check_range("copy_heads", copy_heads, 0.0, 1.0, lo_open=True)
         self.copy_heads = float(copy_heads)
+        check_range("query_share", query_share, 0.0, 1.0)
+        self.query_share = float(query_share)
         if other_token_share is not None:
             check_range("other_token_share", other_token_share, 0.0, 1.0)
             require(other_token_share + window_share <= 1.0 + 1e-9, "other_token_share", other_token_share,
@@ -224,11 +233,13 @@ class ImportanceGuard:
     def __repr__(self) -> str:
         return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
                 f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
-                f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share})")
+                f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
+                f"query_share={self.query_share})")
 
     @property
     def needs(self) -> Needs:
-        return Needs(model_pass=True, surprisal=self.surprisal > 0)
+        return Needs(model_pass=True, surprisal=self.surprisal > 0,
+                     query_window=QUERY_WINDOW if self.query_share > 0 else 0)
 
     def prepared_for(self, state: KVState) -> bool:
         return decided_for(self._ids, state)
@@ -263,7 +274,14 @@ class ImportanceGuard:
         # the allowance is what the budget leaves after the slots protected anyway (sinks, recent)
         room = (budget.to(ids.device) - (~free.bool()).sum(-1)).clamp(min=0)
         allowance = torch.floor(room.to(torch.float64) * self.share).long()
-        chosen = select_sentences(score, lengths, allowance, lengths > 0)
+        eligible = lengths > 0
+        chosen = torch.zeros_like(eligible)
+        if self.query_share > 0:
+            part = torch.floor(allowance.to(torch.float64) * self.query_share).long()
+            chosen = select_sentences(query_signal(states, sid, num), lengths, part, eligible)
+            eligible = eligible & ~chosen
+        left = allowance - (lengths * chosen).sum(-1).long()
+        chosen = chosen | select_sentences(score, lengths, left, eligible)
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
         self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
