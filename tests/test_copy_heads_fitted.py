@@ -17,8 +17,8 @@ from kvcompress.pipeline import Pipeline
 from kvcompress.presets import get_preset
 from kvcompress.registry import CLUSTERERS
 from kvcompress.strategies.d2o import D2OClusterer
-from kvcompress.strategies.importance import COPY, ImportanceGuard
-from kvcompress.strategies.sentences import query_signal, select_sentences, sentence_ids, sentence_sum
+from kvcompress.strategies.importance import COPY, ImportanceGuard, window_signal
+from kvcompress.strategies.sentences import select_sentences, sentence_ids, sentence_sum
 from kvcompress.strategies.similar import SimilarD2OClusterer
 
 from test_eval_helpers import TEXT, model, one_thread, tiny_model, tiny_tokenizer, tok  # noqa: F401  (fixtures)
@@ -98,34 +98,105 @@ def _layers(L=3, H=3, N=256, B=2, W=16, seed=0):
     return out
 
 
-def test_query_share_picks_the_window_queries_sentences_first():
-    states = _layers(B=1)
-    budget, already = torch.tensor([64]), torch.zeros(1, 256, dtype=torch.bool)
+def reference_window_signal(states, sid, num, already, heads):
+    """Slow: per layer >= 2 and KV head, the full softmax of every window query (its GQA group's
+    query heads, causal at its own position) over the slots; per sentence the largest probability
+    on a slot whose token is not in ``already``; summed over the heads whose copy score is among
+    the ceil(heads * pairs) largest of the row."""
+    use = states[2:]
+    B, S = sid.shape[0], num
+    out = torch.zeros(B, S)
+    for b in range(B):
+        copy = torch.stack([st.extras[COPY][b] for st in use]).flatten()
+        k = math.ceil(heads * copy.numel() - 1e-9)
+        thr = copy.sort(descending=True).values[k - 1]
+        for li, st in enumerate(use):
+            q = st.extras["queries"][b]  # [Hq, W, D]
+            Hq, W, D = q.shape
+            G = Hq // st.num_heads
+            T = st.num_tokens
+            for h in range(st.num_heads):
+                if copy[li * st.num_heads + h] < thr:
+                    continue
+                best = torch.zeros(S)
+                for g in range(G):
+                    for w in range(W):
+                        qpos = T - W + w
+                        logit = q[h * G + g].float()[w] @ st.keys[b, h].float().T / math.sqrt(D) + st.log_sizes[b, h]
+                        ok = st.valid[b, h] & (st.positions[b, h] <= qpos)
+                        prob = torch.softmax(logit.masked_fill(~ok, float("-inf")), -1)
+                        for n in range(st.num_slots):
+                            pos = int(st.positions[b, h, n])
+                            if ok[n] and 0 <= pos < already.shape[1] and not already[b, pos]:
+                                s = int(sid[b, pos])
+                                best[s] = max(best[s], float(prob[n]))
+                out[b] += best
+    return out
+
+
+@pytest.mark.parametrize("heads", [1.0, 0.3])
+def test_window_signal_equals_the_slow_reference(heads):
+    states = _layers(L=4, H=2, N=48, B=2, W=5, seed=3)
     ids = states[0].token_ids
     sid = sentence_ids(ids, VOCAB, (".", "!"))
     num = int(sid.max()) + 1
-    lengths = sentence_sum(torch.ones(1, 256), sid, num)
-    allowance = math.floor(64 * 0.5)
+    already = torch.zeros(2, 48, dtype=torch.bool)
+    already[:, :3] = True
+    already[:, -6:] = True  # sinks and the recent window: never scored
+    got = window_signal(states, sid, num, already, heads)
+    want = reference_window_signal(states, sid, num, already, heads)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    only = sid[0, -6:]
+    rest = sid[0, :-6]
+    for s in set(only.tolist()) - set(rest.tolist()):
+        assert got[0, s] == 0  # a sentence wholly in the recent window scores nothing
+    if heads < 1:
+        assert not torch.equal(got, window_signal(states, sid, num, already, 1.0))
+
+
+def test_query_share_picks_the_window_queries_sentences_first():
+    states = _layers(B=1)
+    budget, already = torch.tensor([64]), torch.zeros(1, 256, dtype=torch.bool)
+    already[:, :4] = True
+    ids = states[0].token_ids
+    sid = sentence_ids(ids, VOCAB, (".", "!"))
+    num = int(sid.max()) + 1
+    lengths = sentence_sum((~already).float(), sid, num)
+    allowance = math.floor(60 * 0.5)
     part = math.floor(allowance * 0.5)
-    want = select_sentences(query_signal(states, sid, num), lengths, torch.tensor([part]), lengths > 0)
-    guard = ImportanceGuard(share=0.5, query_share=0.5, ends=(".", "!"))
+    signal = window_signal(states, sid, num, already, 0.5)
+    want = select_sentences(signal, lengths, torch.tensor([part]), (lengths > 0) & (signal > 0))
+    guard = ImportanceGuard(share=0.5, query_share=0.5, query_heads=0.5, ends=(".", "!"))
     assert guard.needs.query_window > 0
     guard.prepare(states, budget, already)
     chosen = guard.chosen_tokens()[0]
-    picked = want.gather(1, sid)[0]
+    picked = want.gather(1, sid)[0] & ~already[0]
     assert int(picked.sum()) > 0
     assert bool(chosen[picked].all())  # the query's sentences are in
-    assert int(chosen.sum()) <= allowance  # and the allowance holds for both together
+    assert int(chosen[~already[0]].sum()) <= allowance  # and the allowance holds for both together
     plain = ImportanceGuard(share=0.5, ends=(".", "!"))
     assert plain.needs.query_window == 0
     plain.prepare(states, budget, already)
-    assert int(plain.chosen_tokens().sum()) <= allowance
-    for bad in (-0.1, 1.5, "x"):
-        with pytest.raises(ValueError, match="query_share"):
-            ImportanceGuard(query_share=bad)
+    assert int(plain.chosen_tokens()[0][~already[0]].sum()) <= allowance
+    for name in ("query_share", "query_heads"):
+        for bad in (-0.1, 1.5, "x") + ((0.0,) if name == "query_heads" else ()):
+            with pytest.raises(ValueError, match=name):
+                ImportanceGuard(**{name: bad})
     with pytest.raises(ValueError, match="queries"):
         ImportanceGuard(query_share=0.5).prepare([s.replace(extras={COPY: s.extras[COPY]}) for s in states],
                                                  budget, already)
+
+
+def test_preset_spells_out_the_fitted_merger():
+    """The coupling rule of session 9: every FittedMerger parameter is given by the preset, so a
+    new default in kvcompress/strategies/fitted.py cannot move its numbers."""
+    import dataclasses
+
+    from kvcompress.strategies.fitted import FittedMerger
+
+    cfg = get_preset("kvzip-copy-heads-fitted")
+    assert cfg.merger.name == "fitted"
+    assert set(cfg.merger.params) == {f.name for f in dataclasses.fields(FittedMerger)}
 
 
 @pytest.mark.parametrize("keep", [0.25, 0.5])
