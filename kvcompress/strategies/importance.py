@@ -28,13 +28,14 @@ from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
 from ..validation import check_choice, check_range, require
-from .sentences import SENTENCE_ENDS, select_sentences, sentence_ids, sentence_sum
+from .sentences import SENTENCE_ENDS, _max_attention, _per_head_max, _slot_sentences, select_sentences, sentence_ids, sentence_sum
 from .guards import decided_for
 
 STAT = "reconstruction"
 SURPRISAL = "surprisal"  # extras [B, T] float32: each context token's prefill surprisal (kvcompress.hf.reconstruct)
 COPY = "reconstruction_copy"  # extras [B, H] float32 per layer: each KV head's copy score (kvcompress.hf.reconstruct)
 REDUCES = ("mean", "sum", "max", "median")
+QUERY_WINDOW = 32  # the guard's query_share: last queries of each layer it asks the cache to record
 HEAD_BUDGETS = ("uniform", "adaptive")
 
 
@@ -173,6 +174,17 @@ class ImportanceGuard:
             "retrieval" heads, RazorAttention / DuoAttention). Every other head gives the sentences'
             allowance to its own best tokens by reconstruction score (``other_token_share``).
             1: every head keeps the sentences (the copy score is not read)
+    query_share: share of the sentences' allowance given first to the sentences the last
+            ``query_window`` queries attend to most (``window_signal``: per (layer, KV head) the
+            largest probability any window query gives a token of the sentence, over the tokens
+            the guard may choose, i.e. not the sinks or the recent window, summed over the
+            ``query_heads`` share of heads with the highest copy score, layers after the first
+            two); a question inside the prompt points at its answer, which the question-free
+            ranking may miss. The rest of the allowance goes to the ranking above. Needs
+            ``query_window`` > 0 (asked for: 32)
+    query_heads: share in (0, 1] of the (layer, KV head) pairs whose window attention
+            ``query_share`` reads: those with the highest copy score (the heads that retrieve by
+            content; the others attend by proximity, to the text just before the window). 1: all
     other_token_share: with ``copy_heads`` < 1, the share of the budget the heads without
             sentences give to their own best tokens by reconstruction score (the rest of their
             budget: SnapKV's choice and merging); None: share + token_share (the whole allowance)
@@ -188,11 +200,15 @@ class ImportanceGuard:
 
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
-                 copy_heads: float = 1.0, other_token_share: float | None = None,
-                 ends: Sequence[str] = SENTENCE_ENDS):
+                 copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
+                 query_heads: float = 1.0, ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         check_range("copy_heads", copy_heads, 0.0, 1.0, lo_open=True)
         self.copy_heads = float(copy_heads)
+        check_range("query_share", query_share, 0.0, 1.0)
+        self.query_share = float(query_share)
+        check_range("query_heads", query_heads, 0.0, 1.0, lo_open=True)
+        self.query_heads = float(query_heads)
         if other_token_share is not None:
             check_range("other_token_share", other_token_share, 0.0, 1.0)
             require(other_token_share + window_share <= 1.0 + 1e-9, "other_token_share", other_token_share,
@@ -224,11 +240,13 @@ class ImportanceGuard:
     def __repr__(self) -> str:
         return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
                 f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
-                f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share})")
+                f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
+                f"query_share={self.query_share}, query_heads={self.query_heads})")
 
     @property
     def needs(self) -> Needs:
-        return Needs(model_pass=True, surprisal=self.surprisal > 0)
+        return Needs(model_pass=True, surprisal=self.surprisal > 0,
+                     query_window=QUERY_WINDOW if self.query_share > 0 else 0)
 
     def prepared_for(self, state: KVState) -> bool:
         return decided_for(self._ids, state)
@@ -263,7 +281,15 @@ class ImportanceGuard:
         # the allowance is what the budget leaves after the slots protected anyway (sinks, recent)
         room = (budget.to(ids.device) - (~free.bool()).sum(-1)).clamp(min=0)
         allowance = torch.floor(room.to(torch.float64) * self.share).long()
-        chosen = select_sentences(score, lengths, allowance, lengths > 0)
+        eligible = lengths > 0
+        chosen = torch.zeros_like(eligible)
+        if self.query_share > 0:
+            part = torch.floor(allowance.to(torch.float64) * self.query_share).long()
+            signal = window_signal(states, sid, num, already[:, :T].to(ids.device), self.query_heads)
+            chosen = select_sentences(signal, lengths, part, eligible & (signal > 0))
+            eligible = eligible & ~chosen
+        left = allowance - (lengths * chosen).sum(-1).long()
+        chosen = chosen | select_sentences(score, lengths, left, eligible)
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
         self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
@@ -319,6 +345,39 @@ class ImportanceGuard:
             rank = rank_desc(_window_scorer()(state), free)
             mask |= free & (rank < self._window.to(rank.device)[:, None, None])
         return mask
+
+
+def window_signal(states: Sequence[KVState], sid: Tensor, num: int, already: Tensor,
+                  heads: float = 1.0, skip_layers: int = 2) -> Tensor:
+    """[B, S] float32: attention the window queries give each sentence, in the heads that retrieve.
+
+    Each state needs ``extras["queries"]`` [B, Hq, W, D] (the last W queries, rotated) and, with
+    ``heads`` < 1, ``extras["reconstruction_copy"]`` [B, H]. Per (layer, KV head) a sentence
+    scores the largest probability any window query gives one of its tokens not in ``already``
+    [B, T] (the sinks and the recent window: kept anyway, and the window's own text draws the
+    local attention); summed over the share ``heads`` of (layer, KV head) pairs with the highest
+    copy score (per row), layers from ``skip_layers`` on (unless there are no others)."""
+    use = list(states[skip_layers:]) or list(states)
+    B = sid.shape[0]
+    picked = None
+    if heads < 1.0:
+        copy = torch.stack([copy_of(st, "importance guard (query_heads)") for st in use], 1).flatten(1)  # [B, L'H]
+        k = int(math.ceil(heads * copy.shape[1] - 1e-9))
+        picked = (copy >= copy.topk(k, dim=-1).values[:, -1:]).view(B, len(use), -1).to(sid.device)
+    out = torch.zeros(B, num, dtype=torch.float32, device=sid.device)
+    for i, st in enumerate(use):
+        q = st.extras.get("queries")
+        require(q is not None and q.dim() == 4 and q.shape[2] > 0, "extras['queries']",
+                None if q is None else tuple(q.shape),
+                "the last queries of every layer [B, Hq, W, D]: set query_window > 0 in the pipeline config")
+        pos = st.positions.clamp(0, already.shape[1] - 1)
+        skip = already.gather(1, pos.flatten(1)).view_as(pos) | (st.positions < 0) | (st.positions >= already.shape[1])
+        att = _max_attention(st, q).masked_fill(skip.to(st.keys.device), 0.0)
+        per_head = _per_head_max(att, _slot_sentences(st, sid), num)  # [B, H, S]
+        if picked is not None:
+            per_head = per_head * picked[:, i, :, None]
+        out += per_head.sum(1)
+    return out
 
 
 def sentence_median(x: Tensor, sid: Tensor, num: int) -> Tensor:
