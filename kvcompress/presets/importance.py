@@ -61,7 +61,8 @@ FIT_QUERY_SHARE = 0.2  # ... share of the sentences' allowance picked first by t
 FIT_QUERY_HEADS = 0.1  # ... read in the 10% of (layer, KV head) pairs with the highest copy score (dev probe)
 # the fitted merger's parameters, spelled out (issue 14's FittedMerger; its defaults may move, these do not)
 FIT_MERGER = {"queries": "window", "reference_queries": 32, "key": "attention", "power": 1.0, "ridge": 1.0,
-              "scale": None, "rounds": "once", "refine": 3, "refine_step": 0.7}
+              "scale": None, "rounds": "once", "refine": 3, "refine_step": 0.7,
+              "refine_share": 1.0, "query_stride": 1}
 SCORER = {"name": "reconstruction"}
 
 
