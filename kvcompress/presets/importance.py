@@ -55,7 +55,6 @@ HYBRID_SENTENCE_SHARE = 0.8  # kvzip-hybrid: sentences by importance + surprisal
 HYBRID_TOKEN_SHARE = 0.15  # kvzip-hybrid: per-head best tokens by reconstruction score (Ada-KV split)
 COPY_HEADS = 0.05  # kvzip-copy-heads: share of (layer, KV head) pairs, by copy score, that keep the sentences (dev: 0.05-0.5)
 COPY_OTHER_TOKEN_SHARE = 0.5  # kvzip-copy-heads: the other heads' own tokens (kvzip-d2o-tokens' TOKEN_SHARE)
-FIT_HEAD_BUDGET = "adaptive"  # kvzip-copy-heads-fitted: as kvzip-copy-heads (dev: "uniform" cost 2/10 facts, results/issue18-dev6)
 FIT_THRESHOLD = None  # ... D2O's test in the plan: merge when the key cosine reaches the head's mean, else drop
 FIT_QUERY_SHARE = 0.2  # ... share of the sentences' allowance picked first by the window queries' attention
 FIT_QUERY_HEADS = 0.1  # ... read in the 10% of (layer, KV head) pairs with the highest copy score (dev probe)
@@ -190,10 +189,11 @@ def kvzip_copy_heads_fitted() -> PipelineConfig:
     goes first to the sentences the window queries of the copy heads attend to (a question inside
     the prompt finds its answer there; without one it costs a sentence or two)."""
     base = kvzip_copy_heads()
-    guard = importance_guard(HYBRID_SENTENCE_SHARE, reduce="median", surprisal=SURPRISAL_WEIGHT,
-                             token_share=HYBRID_TOKEN_SHARE, head_budget=FIT_HEAD_BUDGET, copy_heads=COPY_HEADS,
-                             other_token_share=COPY_OTHER_TOKEN_SHARE, query_share=FIT_QUERY_SHARE,
-                             query_heads=FIT_QUERY_HEADS)
+    # kvzip-copy-heads' guard as it is (its adaptive head split: "uniform" cost 2/10 facts on dev,
+    # results/issue18-dev6), plus the window queries' share
+    (copy_guard,) = base.guards
+    guard = StrategySpec(copy_guard.name, {**copy_guard.params, "query_share": FIT_QUERY_SHARE,
+                                           "query_heads": FIT_QUERY_HEADS})
     return base.replace(
         name="kvzip-copy-heads-fitted",
         clusterer=StrategySpec("d2o-similar", {**base.clusterer.params, "threshold": FIT_THRESHOLD}),
