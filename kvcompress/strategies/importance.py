@@ -28,7 +28,8 @@ from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
 from ..validation import check_choice, check_range, require
-from .sentences import SENTENCE_ENDS, _max_attention, _per_head_max, _slot_sentences, select_sentences, sentence_ids, sentence_sum
+from .sentences import (SENTENCE_ENDS, max_attention, per_head_max, select_sentences, sentence_ids,
+                        sentence_sum, slot_sentences)
 from .guards import decided_for
 
 STAT = "reconstruction"
@@ -372,8 +373,8 @@ def window_signal(states: Sequence[KVState], sid: Tensor, num: int, already: Ten
                 "the last queries of every layer [B, Hq, W, D]: set query_window > 0 in the pipeline config")
         pos = st.positions.clamp(0, already.shape[1] - 1)
         skip = already.gather(1, pos.flatten(1)).view_as(pos) | (st.positions < 0) | (st.positions >= already.shape[1])
-        att = _max_attention(st, q).masked_fill(skip.to(st.keys.device), 0.0)
-        per_head = _per_head_max(att, _slot_sentences(st, sid), num)  # [B, H, S]
+        att = max_attention(st, q).masked_fill(skip.to(st.keys.device), 0.0)
+        per_head = per_head_max(att, slot_sentences(st, sid), num)  # [B, H, S]
         if picked is not None:
             per_head = per_head * picked[:, i, :, None]
         out += per_head.sum(1)

@@ -69,7 +69,7 @@ def sentence_sum(x: Tensor, sid: Tensor, num: int) -> Tensor:
     return out.scatter_add_(-1, sid.expand_as(x), x)
 
 
-def _slot_sentences(state: KVState, sid: Tensor) -> Tensor:
+def slot_sentences(state: KVState, sid: Tensor) -> Tensor:
     """[B, H, N] long: sentence of each slot's representative token (0 for padding)."""
     pos = state.positions.clamp(min=0, max=sid.shape[1] - 1)  # [B, H, N]
     B, H, N = pos.shape
@@ -92,11 +92,11 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
         require(q is not None and q.dim() == 4 and q.shape[2] > 0, "extras['queries']",
                 None if q is None else tuple(q.shape),
                 "the last queries of every layer [B, Hq, W, D]: set query_window > 0 in the pipeline config")
-        out += _per_head_max(_max_attention(st, q), _slot_sentences(st, sid), num).sum(1)
+        out += per_head_max(max_attention(st, q), slot_sentences(st, sid), num).sum(1)
     return out
 
 
-def _max_attention(st: KVState, q: Tensor) -> Tensor:
+def max_attention(st: KVState, q: Tensor) -> Tensor:
     """[B, H, N]: the largest attention probability any query of ``q`` [B, Hq, W, D] gives each slot
     (GQA: the G = Hq / H query heads of a KV head count as queries of it).
 
@@ -120,7 +120,7 @@ def _max_attention(st: KVState, q: Tensor) -> Tensor:
     return torch.softmax(logits, -1).nan_to_num_(0.0).amax(2)  # [B, H, N]
 
 
-def _per_head_max(x: Tensor, slot_sid: Tensor, num: int) -> Tensor:
+def per_head_max(x: Tensor, slot_sid: Tensor, num: int) -> Tensor:
     """[B, H, S]: x [B, H, N] maximum per sentence and head; slot_sid [B, H, N]."""
     out = x.new_zeros(*x.shape[:2], num)
     return out.scatter_reduce_(-1, slot_sid, x, "amax", include_self=True)

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kvcompress.strategies.sentences import _per_head_max, _slot_sentences
+from kvcompress.strategies.sentences import per_head_max, slot_sentences
 from kvcompress.types import KVState
 
 
@@ -26,5 +26,5 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
         future = st.positions[:, :, None, None, :] > qpos[None, None, None, :, None]
         probs = torch.softmax(logits.masked_fill_(future, float("-inf")), -1).nan_to_num_(0.0)
         per_slot = probs.amax(dim=(2, 3))  # [B, H, N]
-        out += _per_head_max(per_slot, _slot_sentences(st, sid), num).sum(1)
+        out += per_head_max(per_slot, slot_sentences(st, sid), num).sum(1)
     return out
