@@ -183,6 +183,16 @@ def check_output_dir(flag: str, path: Path) -> None:
     _check_writable(flag, path, base)
 
 
+def check_context(flag: str, value, tokens: int, model: str | None, what: str) -> None:
+    """A run whose longest sequence (tokens: context plus what is generated or teacher-forced) fits the
+    model's context window; past it the positions are ones the model never saw."""
+    from .hf.loading import context_window
+
+    limit = context_window(model)
+    if limit is not None and tokens > limit:
+        fail(flag, value, f"{what} <= {limit}, the model's context window (here {tokens})")
+
+
 def check_threads(flag: str, threads: int | None) -> None:
     """None (torch's default) or a thread count >= 1; applied with ``set_threads``."""
     if threads is not None and threads < 1:

