@@ -129,7 +129,10 @@ def check_args(args):
         check_input_file("--text", args.text)
     if args.model is not None and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
         fail("--model", args.model, "a Hugging Face model id or an existing local path")
-    check_context("--tokens", args.tokens, args.tokens + args.max_new_tokens, args.model, "--tokens + --max-new-tokens")
+    # a token covers at least one byte of the text: a shorter --text bounds the context below --tokens
+    context = args.tokens if args.text is None else min(args.tokens, Path(args.text).stat().st_size)
+    check_context("--tokens", args.tokens, context + args.max_new_tokens, args.model,
+                  "--tokens (or the --text's length in bytes, if fewer) + --max-new-tokens")
     overrides = {**budget, **parse_overrides(args.overrides)}
     what = f"--preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides) + f" --budget {args.budget}"
     return check_pipeline(args.preset, overrides, what)
@@ -213,8 +216,11 @@ def format_report(r: dict) -> str:
         f"of {r['context_tokens']} tokens: {slots}",
         f"keep      reached {r['keep_reached']:.3f} (worst head), mean {r['keep_mean']:.3f}; budget "
         f"{'met' if r['budget_met'] else 'NOT met: ' + str(r.get('budget_note'))}",
-        f"times     load {r['load_s']:.1f} s, prefill {r['prefill_s']:.2f} s, compress {r['compress_s']:.2f} s, "
-        f"decode {r['decode_s']:.2f} s ({r['new_tokens']} tokens), total {r['total_s']:.1f} s",
+        f"times     load {r['load_s']:.1f} s, prefill {r['prefill_s']:.2f} s, "
+        + "".join(f"{name} pass {r[key]:.2f} s, " for key, name in (("reconstruct_s", "reconstruction"),
+                                                                  ("surprisal_s", "surprisal")) if r.get(key))
+        + f"compress {r['compress_s']:.2f} s, decode {r['decode_s']:.2f} s ({r['new_tokens']} tokens), "
+        f"total {r['total_s']:.1f} s",
     ]
     if r.get("compiles"):
         lines.append(f"compiles  {r['compiles']} FlexAttention graph(s)")

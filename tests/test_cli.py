@@ -109,7 +109,7 @@ def test_demo_json_on_a_local_model(tiny_model_dir, capsys):
 def test_demo_text_output_on_a_local_model(tiny_model_dir, tmp_path, capsys):
     text = tmp_path / "doc.txt"
     text.write_text("the secret code word is pineapple . " * 40)
-    code = cli.main(["demo", "--model", str(tiny_model_dir), "--text", str(text), "--question", "What ?",
+    code = cli.main(["demo", "--model", str(tiny_model_dir), "--text", str(text), "--question", "What ?", "--tokens", "400",
                      "--max-new-tokens", "3", "--backend", "sdpa", "--budget", "0.5", "--set", "recent=4",
                      "--set", "chunker=fixed", "--compare"])
     assert code == 0

@@ -80,6 +80,10 @@ def test_sequences_past_the_context_window_fail_before_anything_loads(no_model, 
     small.mkdir()
     (small / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 256}))
     _fails(capsys, ["demo", "--model", str(small), "--tokens", "300"], "--tokens=300", "<= 256")
+    short = tmp_path / "short.txt"
+    short.write_text("a short text. " * 10)  # 140 bytes: at most 140 tokens, whatever --tokens says
+    assert cli.main(["demo", "--model", str(small), "--text", str(short)]) == 1
+    assert "must not be loaded" in capsys.readouterr().err
     # at the window's edge the check passes and the run goes on to load the model
     assert cli.main(["demo", "--tokens", "8168"]) == 1
     assert "must not be loaded" in capsys.readouterr().err

@@ -82,3 +82,27 @@ def test_budget_validation():
         with pytest.raises(ValueError, match="budget"):
             budget_overrides(bad)
     assert isinstance(kvcompress.get_preset("semanticache"), PipelineConfig)
+
+
+def test_the_prefill_time_leaves_out_the_scorers_passes(tiny, monkeypatch):
+    """kvzip-hybrid runs a reconstruction and a surprisal pass after the prefill: each is reported
+    on its own, not inside prefill_s (a pass made 0.4 s slower moves reconstruct_s alone)."""
+    import dataclasses
+    import time
+
+    from kvcompress.hf import reconstruct
+
+    model, tok = tiny
+    plain = kvcompress.generate(model, tok, CONTEXT, "semanticache", 0.5, max_new_tokens=2, **SMALL).report
+    assert plain["reconstruct_s"] == 0.0 and plain["surprisal_s"] == 0.0
+    real = reconstruct.reconstruction_scores
+
+    def slower(*args, **kwargs):
+        res = real(*args, **kwargs)
+        time.sleep(0.4)
+        return dataclasses.replace(res, seconds=res.seconds + 0.4)
+
+    monkeypatch.setattr(reconstruct, "reconstruction_scores", slower)
+    rep = kvcompress.generate(model, tok, CONTEXT, "kvzip-hybrid", 0.5, max_new_tokens=2, backend="sdpa").report
+    assert rep["reconstruct_s"] >= 0.4 and rep["surprisal_s"] > 0.0
+    assert 0.0 <= rep["prefill_s"] < 0.4

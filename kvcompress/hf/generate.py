@@ -79,7 +79,8 @@ def generate(model, tokenizer, context: str, *, question: str | None = None, pip
     so the KV held stays within the budget of the tokens seen + C; None: one forward.
 
     Returns the decoded new text and a report with kv_bytes_full / kv_bytes_compressed (after
-    the prefill), slots per layer, prefill_s (without compression), compress_s, decode_s
+    the prefill), slots per layer, prefill_s (the model's prefill alone), compress_s, reconstruct_s and
+    surprisal_s (the question-free scorers' passes over the context, 0 without them), decode_s
     (question + new tokens, decode-time compression included) and the flex compile count.
     """
     require(isinstance(context, str) and context != "", "prompt", context, "a non-empty string")
@@ -107,6 +108,9 @@ def generate(model, tokenizer, context: str, *, question: str | None = None, pip
             _sync(device)
             prefill_total = time.perf_counter() - start
             compress_s = cache.stats["compress_s"]
+            # the question-free scorers' model passes run inside the prefill; they are reported apart
+            reconstruct_s = cache.stats.get("reconstruct_s", 0.0)
+            surprisal_s = cache.stats.get("surprisal_s", 0.0)
             after_prefill = cache.report()
 
             if num_beams > 1:
@@ -137,8 +141,10 @@ def generate(model, tokenizer, context: str, *, question: str | None = None, pip
         "compression_ratio": after_prefill["kv_bytes_compressed"] / max(1, after_prefill["kv_bytes_full"]),
         "slots_per_layer": after_prefill["slots_per_layer"],
         "valid_slots_per_layer": after_prefill["valid_slots_per_layer"],
-        "prefill_s": prefill_total - compress_s,
+        "prefill_s": prefill_total - compress_s - reconstruct_s - surprisal_s,
         "compress_s": compress_s,
+        "reconstruct_s": reconstruct_s,
+        "surprisal_s": surprisal_s,
         "decode_s": decode_s,
         "decode_compress_s": cache.stats["compress_s"] - compress_s,
         "decode_compressions": cache.stats["decode_compressions"],
