@@ -215,3 +215,24 @@ def test_rescore_is_a_float32_dot_product():
 def test_coarse_is_the_default_only_where_bfloat16_is_fast():
     assert d2o.coarse_available(torch.device("cpu")) == torch.cpu._is_avx512_bf16_supported()
     assert not d2o.coarse_available(torch.device("meta"))
+
+
+def test_rows_without_a_clearly_positive_maximum_take_every_unmasked_candidate(monkeypatch):
+    """A few evicted keys point away from every receiving key (their best cosine is negative: the
+    int16 block maxima do not order negative values) among ordinary rows: those rows re-score all
+    their receiving slots, the block stays coarse, and the result is the reference's."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(8)
+    B, H, N, D = 1, 2, 120, 64
+    base = torch.randn(1, H, 1, D, generator=gen)
+    keys = torch.randn(B, H, N, D, generator=gen) + 2.0 * base
+    keys[:, :, :3] = -base + 0.1 * torch.randn(B, H, 3, D, generator=gen)  # anti-correlated evicted rows
+    evicted = torch.zeros(B, H, N, dtype=torch.bool)
+    evicted[..., :60] = True
+    receiving = ~evicted
+    receiving[..., -5:] = False  # and some padding columns
+    chunk_ids = torch.zeros(B, H, N, dtype=torch.long)
+    args = (keys, evicted, receiving, chunk_ids)
+    parent, best = _check(args)
+    assert bool((best[..., :3] < 0).all())  # the anti-correlated rows' best is negative
+    assert spy.pairs >= 3 * H * 55

@@ -84,7 +84,8 @@ def row_max(x: Tensor) -> tuple[Tensor, Tensor]:
 _COARSE_BLOCK = 64  # coarse search: columns per block of its candidate scan
 _COARSE_MAX_DIM = 256  # head dimensions up to which the coarse search is used (its bound assumes one K block)
 _COARSE_ENTRIES = 1 << 21  # coarse search: bfloat16 similarities a block (4 MB), at most
-_COARSE_CANDIDATES = 4  # re-scored candidates per row of a block, at most on average: else that block is exact
+_COARSE_CANDIDATES = 8  # re-scored candidates per row of a block, at most on average: else that block is exact
+# (break-even: re-scoring ~10 candidates a row costs the block's float32 product)
 _BF16_UNIT = 2.0 ** -9  # bfloat16's unit roundoff (8 significant bits, round to nearest)
 _F32_UNIT = 2.0 ** -24
 
@@ -134,8 +135,7 @@ def rescore(a_t: Tensor, a_at: Tensor, b_t: Tensor, b_at: Tensor) -> Tensor:
 
 def _coarse_candidates(sims: Tensor, band: float, rows_ok: Tensor):
     """The candidates of every row of a masked bfloat16 block for the float32 maximum, or None when
-    the block has too many, or a row to search whose bfloat16 maximum is below ``band`` (then the
-    caller computes the block in float32).
+    the block has too many (then the caller computes the block in float32).
 
     sims: [B, H, b, K] bfloat16, K a multiple of _COARSE_BLOCK, -inf where masked;
     rows_ok: [B, H, b] the rows to search (real rows with at least one receiving slot unmasked).
@@ -147,17 +147,18 @@ def _coarse_candidates(sims: Tensor, band: float, rows_ok: Tensor):
     value - 2 bound). The maxima of blocks of 64 columns are taken on the bfloat16 bits as int16
     (3x faster than a float32 copy and its max, 7x faster than bfloat16's own max): the bits of
     non-negative bfloat16 values order as their values, and every negative one is below them; so a
-    block's maximum is exact where it is >= 0, and when the row's maximum is above ``band`` (checked)
-    no negative entry can be a candidate."""
+    block's maximum is exact where it is >= 0, and when the row's maximum is above ``band`` no
+    negative entry can be a candidate. A row whose maximum is at most ``band`` (rare in real keys)
+    takes all its unmasked entries as candidates."""
     B, H, b, K = sims.shape
     nb = K // _COARSE_BLOCK
     bits = sims.view(torch.int16).view(B, H, b, nb, _COARSE_BLOCK).amax(-1)  # [B, H, b, nb]
     block_max = torch.where(bits >= 0, bits.view(torch.bfloat16).float(), NEG_INF)
     row_top = block_max.amax(-1)  # [B, H, b]
-    if bool((rows_ok & (row_top <= band)).any()):
-        return None
-    thr = row_top - band
-    hit = ((block_max >= thr[..., None]) & rows_ok[..., None]).view(-1).nonzero().squeeze(-1)  # [P_blocks]
+    # a row whose maximum is not clearly positive: every unmasked entry is a candidate (finite ones)
+    low = row_top <= band
+    thr = torch.where(low, -torch.finfo(torch.float32).max, row_top - band)
+    hit = (((block_max >= thr[..., None]) | low[..., None]) & rows_ok[..., None]).view(-1).nonzero().squeeze(-1)
     cap = _COARSE_CANDIDATES * B * H * b
     if hit.shape[0] > cap:
         return None
@@ -188,7 +189,7 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     bfloat16 maximum, each re-scored in float32 by ``rescore``. Its similarities are the same
     float32 cosines where ``rescore`` rounds as the BLAS does (bit for bit on the machine measured);
     on another BLAS they may differ in the last bits, and then so may the parent where two receiving
-    slots tie within that rounding (either is the most similar). A block with more than 4
+    slots tie within that rounding (either is the most similar). A block with more than 8
     candidates a row on average (near-duplicate keys) is computed in float32 instead.
     """
     B, H, N, D = keys.shape
@@ -243,6 +244,7 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
         band = 2.0 * coarse_error_bound(D)
         e_bf, k_bf = e_keys.to(torch.bfloat16), k_t.to(torch.bfloat16)
         step_bf = max(1, min(E, _COARSE_ENTRIES // max(1, B * H * K)))
+        step_bf = -(-E // -(-E // step_bf))  # blocks of equal size (no small last block)
         buf_bf = torch.empty(B, H, step_bf, K, dtype=torch.bfloat16, device=device)
         found = []  # (flat row of [B * H, E], column) of every coarse block's candidates
         # the rows with a receiving slot to compare with (the others' maximum is -inf in any precision)
