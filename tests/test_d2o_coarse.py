@@ -236,3 +236,16 @@ def test_rows_without_a_clearly_positive_maximum_take_every_unmasked_candidate(m
     parent, best = _check(args)
     assert bool((best[..., :3] < 0).all())  # the anti-correlated rows' best is negative
     assert spy.pairs >= 3 * H * 55
+
+
+def test_default_path_small_searches_stay_float32(monkeypatch):
+    """By default a search under 2^23 similarities (decode-time ones, small caches) runs in float32
+    (bit for bit the float32 search); above it, the coarse search runs where bfloat16 is fast."""
+    spy = _Spy(monkeypatch)
+    args = _case(3, 200, 64, 1, False, False, 1.0)
+    parent, best = most_similar_kept(*args)
+    parent0, best0 = most_similar_kept(*args, coarse=False)
+    assert torch.equal(parent, parent0) and torch.equal(best, best0) and spy.pairs == 0
+    monkeypatch.setattr(d2o, "_COARSE_MIN_ENTRIES", 0)
+    most_similar_kept(*args)
+    assert (spy.pairs > 0) == d2o.coarse_available(torch.device("cpu"))

@@ -83,6 +83,7 @@ def row_max(x: Tensor) -> tuple[Tensor, Tensor]:
 
 _COARSE_BLOCK = 64  # coarse search: columns per block of its candidate scan
 _COARSE_MAX_DIM = 256  # head dimensions up to which the coarse search is used (its bound assumes one K block)
+_COARSE_MIN_ENTRIES = 1 << 23  # similarities below which the float32 search is used (measured crossover: 4 - 8 M)
 _COARSE_ENTRIES = 1 << 21  # coarse search: bfloat16 similarities a block (4 MB), at most
 _COARSE_CANDIDATES = 8  # re-scored candidates per row of a block, at most on average: else that block is exact
 # (break-even: re-scoring ~10 candidates a row costs the block's float32 product)
@@ -176,7 +177,7 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
 
     keys: [B, H, N, D]; evicted, receiving: [B, H, N] bool; chunk_ids: [B, H, N] long
     coarse: search in bfloat16 first, then re-score the candidates in float32 (None: where
-            ``coarse_available`` and D <= 256)
+            ``coarse_available``, D <= 256 and B * H * E * K >= 2^23 similarities)
     returns (parent [B, H, N] long slot or -1, similarity [B, H, N] float32, -inf where none);
             ties go to the earlier slot. Memory: [B, H, block, K] similarities at a time.
 
@@ -194,12 +195,12 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     """
     B, H, N, D = keys.shape
     device = keys.device
-    if coarse is None:
-        coarse = D <= _COARSE_MAX_DIM and coarse_available(device)
     kn = F.normalize(keys.float(), dim=-1)
     order, k_ok = _compact(receiving)  # [B, H, K]
     e_order, e_ok = _compact(evicted)  # [B, H, E]
     K, E = order.shape[-1], e_order.shape[-1]
+    if coarse is None:  # (small searches, e.g. while decoding: its fixed costs outweigh the product)
+        coarse = D <= _COARSE_MAX_DIM and B * H * E * K >= _COARSE_MIN_ENTRIES and coarse_available(device)
     if coarse and K % _COARSE_BLOCK:  # whole blocks of columns: the extra ones are masked as padding
         pad = _COARSE_BLOCK - K % _COARSE_BLOCK
         order, k_ok = F.pad(order, (0, pad)), F.pad(k_ok, (0, pad))
