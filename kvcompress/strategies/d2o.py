@@ -87,7 +87,7 @@ _COARSE_MIN_ENTRIES = 1 << 23  # similarities below which the float32 search is 
 _COARSE_ENTRIES = 1 << 21  # coarse search: bfloat16 similarities a block (4 MB), at most
 _COARSE_CANDIDATES = 8  # re-scored candidates per row of a block, at most on average: else that block is exact
 # (break-even: re-scoring ~10 candidates a row costs the block's float32 product)
-_BF16_UNIT = 2.0 ** -9  # bfloat16's unit roundoff (8 significant bits, round to nearest)
+_BF16_UNIT = 2.0 ** -8  # bfloat16's unit roundoff: 8 significant bits (7 stored), round to nearest
 _F32_UNIT = 2.0 ** -24
 
 
@@ -103,7 +103,7 @@ def coarse_error_bound(dim: int) -> float:
     """A bound on |bfloat16 cosine - float32 cosine| for unit float32 vectors a, b of ``dim``
     components, the bfloat16 one computed as a bfloat16 matmul does on CPU (inputs rounded to
     bfloat16, exact products summed in float32, the sum rounded to bfloat16), the float32 one by
-    any float32 summation order. With u = 2^-9, g = dim * 2^-24 / (1 - dim * 2^-24) and
+    any float32 summation order. With u = 2^-8, g = dim * 2^-24 / (1 - dim * 2^-24) and
     |a|, |b| <= n = 1 + (dim + 4) 2^-24 (the normalisation's rounding), by Cauchy-Schwarz:
     rounding the inputs moves the dot product by <= (2u + u^2) n^2, the float32 sum by
     <= g (1 + u)^2 n^2, the output rounding by <= u (1 + g)(1 + u)^2 n^2, and the float32
