@@ -192,6 +192,11 @@ def test_bfloat16_error_bound_holds(seed, D, kind):
     exact32 = a @ b.T
     coarse = (a.bfloat16() @ b.bfloat16().T).float()
     assert float((coarse - exact32).abs().max()) <= coarse_error_bound(D)
+    # batched, as the search computes it ([B, H, rows, D] x [B, H, D, K], the right side transposed)
+    a3, b3 = a.view(1, 2, R // 2, D), b.view(1, 2, R // 2, D).repeat(1, 1, 9, 1)
+    exact3 = a3 @ b3.transpose(-1, -2)
+    coarse3 = (a3.bfloat16() @ b3.transpose(-1, -2).bfloat16()).float()
+    assert float((coarse3 - exact3).abs().max()) <= coarse_error_bound(D)
 
 
 def test_rescore_is_a_float32_dot_product():

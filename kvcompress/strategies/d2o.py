@@ -108,7 +108,10 @@ def coarse_error_bound(dim: int) -> float:
     rounding the inputs moves the dot product by <= (2u + u^2) n^2, the float32 sum by
     <= g (1 + u)^2 n^2, the output rounding by <= u (1 + g)(1 + u)^2 n^2, and the float32
     reference is within g n^2 of the exact product; plus dim * 2^-120 for subnormal components
-    (absolute, not relative, rounding) and 0.1 % slack."""
+    (absolute, not relative, rounding; also what flushing them to zero costs) and 0.1 % slack.
+    It assumes the float32 accumulation of oneDNN's and PyTorch's own CPU bfloat16 matmuls (a
+    kernel summing in bfloat16 would break it); tests/test_d2o_coarse.py checks it on adversarial
+    inputs, in the batched shapes the search uses."""
     u, n = _BF16_UNIT, 1.0 + (dim + 4) * _F32_UNIT
     g = dim * _F32_UNIT / (1.0 - dim * _F32_UNIT)
     bound = n * n * ((2 * u + u * u) + g * (1 + u) ** 2 + u * (1 + g) * (1 + u) ** 2 + g)
@@ -185,7 +188,7 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     the chunk mask is applied only when some head holds more than one chunk or fewer receiving
     slots than the widest head (D2O's presets use one global chunk: then no mask at all).
 
-    The coarse search (``_coarse_best``) returns the float32 search's parent: the float32 argmax,
+    The coarse search (``_coarse_candidates``) returns the float32 search's parent: the float32 argmax,
     first column on ties, found among the candidates within twice ``coarse_error_bound`` of the
     bfloat16 maximum, each re-scored in float32 by ``rescore``. Its similarities are the same
     float32 cosines where ``rescore`` rounds as the BLAS does (bit for bit on the machine measured);
