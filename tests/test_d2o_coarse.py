@@ -157,12 +157,27 @@ def test_dense_blocks_and_nonpositive_maxima_fall_back_to_float32_bit_for_bit(mo
     assert spy.pairs == 0
 
 
-def test_coarse_search_with_few_candidates_allowed_falls_back_per_block(monkeypatch):
-    """A candidate cap of one a row forces some blocks to the float32 search and leaves others
-    coarse: the mixture is still the reference's result."""
-    monkeypatch.setattr(d2o, "_COARSE_CANDIDATES", 1)
-    monkeypatch.setattr(d2o, "_COARSE_ENTRIES", 256)
-    _check(_case(9, 400, 64, 1, False, True, 1.0))
+def test_dense_block_switches_the_rest_to_float32(monkeypatch):
+    """Evicted rows with few candidates first, then rows near a tight cluster of 40 receiving keys
+    (40 candidates each): the first dense block and every later one go to the float32 search, the
+    earlier ones stay coarse; the mixture is still the reference's result."""
+    spy = _Spy(monkeypatch)
+    calls = []
+    real = d2o._coarse_candidates
+    monkeypatch.setattr(d2o, "_coarse_candidates", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(6)
+    H, D = 2, 64
+    base = torch.randn(1, H, 1, D, generator=gen)
+    sparse = torch.randn(1, H, 100, D, generator=gen)
+    tight = base + 1e-4 * torch.randn(1, H, 100, D, generator=gen)
+    receivers = torch.cat([torch.randn(1, H, 100, D, generator=gen),
+                           base + 1e-4 * torch.randn(1, H, 40, D, generator=gen)], 2)
+    keys = torch.cat([sparse, tight, receivers], 2)
+    evicted = torch.zeros(1, H, 340, dtype=torch.bool)
+    evicted[..., :200] = True
+    monkeypatch.setattr(d2o, "_COARSE_ENTRIES", H * 192 * 10)  # blocks of 10 rows (K = 140 -> 192 columns)
+    _check((keys, evicted, ~evicted, torch.zeros(1, H, 340, dtype=torch.long)))
+    assert spy.pairs > 0 and 5 <= len(calls) <= 11  # coarse up to the first dense block, then not tried again
 
 
 @settings(max_examples=60, deadline=None)

@@ -194,7 +194,8 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     float32 cosines where ``rescore`` rounds as the BLAS does (bit for bit on the machine measured);
     on another BLAS they may differ in the last bits, and then so may the parent where two receiving
     slots tie within that rounding (either is the most similar). A block with more than 8
-    candidates a row on average (near-duplicate keys) is computed in float32 instead.
+    candidates a row on average (keys this alike: tight clusters, near-duplicates) is computed in
+    float32 instead, and so are all later blocks (the wasted work is one block's bfloat16 product).
     """
     B, H, N, D = keys.shape
     device = keys.device
@@ -264,8 +265,9 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
             out = buf_bf if b == step_bf else torch.empty(B, H, b, K, dtype=torch.bfloat16, device=device)
             cand = _coarse_candidates(mask_(torch.matmul(e_bf[:, :, rows], k_bf, out=out), rows), band,
                                       e_live[:, :, rows])
-            if cand is None:
-                exact(n0, rows.stop)
+            if cand is None:  # keys this alike make every block dense: the rest in float32 straight away
+                exact(n0, E)
+                break
             else:
                 found.append((cand[0] // b * E + n0 + cand[0] % b, cand[1]))
                 e_best[:, :, rows] = NEG_INF
