@@ -82,7 +82,8 @@ def row_max(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 _COARSE_BLOCK = 64  # coarse search: columns per block of its candidate scan
-_COARSE_MAX_DIM = 256  # head dimensions up to which the coarse search is used (its bound assumes one K block)
+_COARSE_MAX_DIM = 64  # head dimensions up to which the coarse search is the default: measured faster on real
+# SmolLM2 keys (D = 64); on synthetic clustered keys of D = 128 it was slower (docs/performance.md)
 _COARSE_MIN_ENTRIES = 1 << 23  # similarities below which the float32 search is used (measured crossover: 4 - 8 M)
 _COARSE_ENTRIES = 1 << 21  # coarse search: bfloat16 similarities a block (4 MB), at most
 _COARSE_CANDIDATES = 8  # re-scored candidates per row of a block, at most on average: else that block is exact
@@ -180,7 +181,7 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
 
     keys: [B, H, N, D]; evicted, receiving: [B, H, N] bool; chunk_ids: [B, H, N] long
     coarse: search in bfloat16 first, then re-score the candidates in float32 (None: where
-            ``coarse_available``, D <= 256 and B * H * E * K >= 2^23 similarities)
+            ``coarse_available``, D <= 64 and B * H * E * K >= 2^23 similarities)
     returns (parent [B, H, N] long slot or -1, similarity [B, H, N] float32, -inf where none);
             ties go to the earlier slot. Memory: [B, H, block, K] similarities at a time.
 
