@@ -126,6 +126,8 @@ def flop_bounds(config, length: int, keep: float, rounds: list) -> dict:
            "prefill_s_median": wall, "prefill_cpu_s_median": cpu,
            "prefill_gflops_per_cpu_s": pre["total"] / cpu / 1e9}
     for name, rec in (("d2o", flops.d2o_product(length, keep, heads=kv_heads, head_dim=head_dim, layers=layers)),
+                      ("d2o float32", flops.d2o_product(length, keep, heads=kv_heads, head_dim=head_dim, layers=layers,
+                                                        coarse=False)),
                       ("semanticache-global", flops.all_pairs_product(length, heads=kv_heads, head_dim=head_dim,
                                                                       layers=layers))):
         rec["share_of_prefill_flops"] = rec["flops"] / pre["total"]

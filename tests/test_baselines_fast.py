@@ -130,7 +130,7 @@ def test_d2o_nearest_kept_is_the_previous_version_bit_for_bit(seed, N, chunks, d
     old_block = d2o._ROW_BLOCK
     d2o._ROW_BLOCK = d2o_v1._ROW_BLOCK = row_block
     try:
-        parent, best = most_similar_kept(*args)
+        parent, best = most_similar_kept(*args, coarse=False)  # the float32 search (tests/test_d2o_coarse.py: the other)
         parent1, best1 = d2o_v1.most_similar_kept(*args)
     finally:
         d2o._ROW_BLOCK = d2o_v1._ROW_BLOCK = old_block

@@ -18,11 +18,13 @@ def test_prefill_flops_count_the_linear_layers_and_causal_attention():
     assert got["total"] == got["linear"] + got["attention"]
 
 
-def test_d2o_product_shapes_and_flops():
-    rec = flops.d2o_product(64, 0.25, heads=2, head_dim=8, layers=3, reps=1)
+@pytest.mark.parametrize("coarse", [False, True])
+def test_d2o_product_shapes_and_flops(coarse):
+    rec = flops.d2o_product(64, 0.25, heads=2, head_dim=8, layers=3, reps=1, coarse=coarse)
     assert (rec["kept"], rec["evicted"]) == (16, 48)
     assert rec["flops"] == pytest.approx(2 * 48 * 16 * 8 * 2 * 3)
     assert rec["cpu_s"] >= 0
+    assert rec["dtype"] == ("bfloat16" if coarse else "float32")
 
 
 def test_all_pairs_product_counts_each_pair_once():

@@ -36,3 +36,17 @@ def test_query_signal_bit_identical_to_the_previous_version(seed, N, W, G, layer
     sid = sentence_ids(states[0].token_ids, states[0].vocab)
     num = int(sid.max()) + 1
     assert torch.equal(query_signal(states, sid, num, skip), query_signal_v0(states, sid, num, skip))
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), N=st.integers(2, 60), W=st.integers(1, 70), G=st.integers(1, 3),
+       extra=st.integers(0, 500))
+def test_max_attention_in_a_reused_scratch_is_the_same(seed, N, W, G, extra):
+    """The logits written into a caller's (larger, dirty) scratch and the softmax taken in place:
+    bit for bit the allocating path."""
+    from kvcompress.strategies.sentences import max_attention
+
+    s = _with_queries(make_state(seed, B=2, H=2, N=N, with_membership=False), W, 2 * G, seed)
+    q = s.extras["queries"]
+    scratch = torch.full((q.numel() // q.shape[-1] * N + extra,), float("nan"))
+    assert torch.equal(max_attention(s, q, scratch), max_attention(s, q))

@@ -39,32 +39,43 @@ def prefill_flops(config, num_tokens: int) -> dict:
 
 
 def d2o_product(num_tokens: int, keep_ratio: float, *, heads: int, head_dim: int, layers: int,
-                reps: int = 3, seed: int = 0) -> dict:
+                reps: int = 3, seed: int = 0, coarse: bool | None = None) -> dict:
     """The D2O evicted x kept cosine product of every layer, timed as ``most_similar_kept`` computes it
     (the same blocks into one reused buffer) but with nothing else: no row maximum, no gathers.
 
+    coarse: time the bfloat16 product of its coarse search (None: where ``d2o.coarse_available``),
+            else the float32 one.
     K = round(keep_ratio * N) kept slots, E = N - K evicted, per head. Returns FLOPs, the fastest
-    of ``reps`` timings (seconds for all layers; each rep times one layer x layers) and GFLOP/s.
+    of ``reps`` timings (seconds for all layers; each rep times one layer x layers), GFLOP/s and the dtype.
     """
     from ..strategies import d2o
 
+    if coarse is None:
+        coarse = head_dim <= d2o._COARSE_MAX_DIM and d2o.coarse_available(torch.device("cpu"))
+    dtype = torch.bfloat16 if coarse else torch.float32
     K = max(1, round(keep_ratio * num_tokens))
     E = num_tokens - K
     gen = torch.Generator().manual_seed(seed)
-    kept = F.normalize(torch.randn(1, heads, K, head_dim, generator=gen), dim=-1).transpose(-1, -2)
-    evicted = F.normalize(torch.randn(1, heads, E, head_dim, generator=gen), dim=-1)
-    step = max(1, min(d2o._ROW_BLOCK, d2o._BLOCK_ENTRIES // max(1, heads * K)))
-    buf = torch.empty(1, heads, step, K)
+    kept = F.normalize(torch.randn(1, heads, K, head_dim, generator=gen), dim=-1).transpose(-1, -2).to(dtype)
+    evicted = F.normalize(torch.randn(1, heads, E, head_dim, generator=gen), dim=-1).to(dtype)
+    if coarse:
+        step = max(1, min(E, d2o._COARSE_ENTRIES // max(1, heads * K)))
+        step = -(-E // -(-E // step))
+    else:
+        step = max(1, min(d2o._ROW_BLOCK, d2o._BLOCK_ENTRIES // max(1, heads * K)))
+    buf = torch.empty(1, heads, step, K, dtype=dtype)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps):
             start = time.process_time()
             for n0 in range(0, E, step):
                 b = min(step, E - n0)
-                torch.matmul(evicted[:, :, n0:n0 + b], kept, out=buf if b == step else torch.empty(1, heads, b, K))
+                torch.matmul(evicted[:, :, n0:n0 + b], kept,
+                             out=buf if b == step else torch.empty(1, heads, b, K, dtype=dtype))
             best = min(best, time.process_time() - start)
     flops = 2.0 * E * K * head_dim * heads * layers
-    return {"evicted": E, "kept": K, "flops": flops, "cpu_s": best * layers, "gflops_per_s": flops / layers / best / 1e9}
+    return {"evicted": E, "kept": K, "flops": flops, "cpu_s": best * layers, "gflops_per_s": flops / layers / best / 1e9,
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def all_pairs_product(num_tokens: int, *, heads: int, head_dim: int, layers: int, reps: int = 1,

@@ -87,26 +87,39 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
     """
     out = torch.zeros(sid.shape[0], num, dtype=torch.float32, device=sid.device)
     use = list(states[skip_layers:]) or list(states)
+    scratch = None  # max_attention's logits, one buffer for every layer
     for st in use:
         q = st.extras.get("queries")
         require(q is not None and q.dim() == 4 and q.shape[2] > 0, "extras['queries']",
                 None if q is None else tuple(q.shape),
                 "the last queries of every layer [B, Hq, W, D]: set query_window > 0 in the pipeline config")
-        out += per_head_max(max_attention(st, q), slot_sentences(st, sid), num).sum(1)
+        B, Hq, W, _ = q.shape
+        size = B * Hq * W * st.num_slots
+        if scratch is None or scratch.numel() < size or scratch.device != q.device:
+            scratch = torch.empty(size, dtype=torch.float32, device=q.device)
+        out += per_head_max(max_attention(st, q, scratch), slot_sentences(st, sid), num).sum(1)
     return out
 
 
-def max_attention(st: KVState, q: Tensor) -> Tensor:
+def max_attention(st: KVState, q: Tensor, out: Tensor | None = None) -> Tensor:
     """[B, H, N]: the largest attention probability any query of ``q`` [B, Hq, W, D] gives each slot
     (GQA: the G = Hq / H query heads of a KV head count as queries of it).
 
     One matmul of the [B, H, G * W, D] query rows with the keys (an einsum over [B, H, G, W, D]
     went through a slower batched path: 8k slots, 30 layers: 0.25 instead of 0.35 s). Blocks of
-    query rows were tried and are slower: each block reads all the keys again."""
+    query rows were tried and are slower: each block reads all the keys again.
+
+    out: an optional float32 scratch of at least B * H * G * W * N elements, reused across layers
+    (the [B, H, G * W, N] logits: 9 MB at 8k, whose fresh pages cost more than their product
+    here); the softmax is taken in place in it (the same numbers)."""
     B, Hq, W, D = q.shape
     H, N = st.num_heads, st.num_slots
     G = Hq // H
-    logits = torch.matmul(q.reshape(B, H, G * W, D).float(), st.keys.float().transpose(-1, -2))  # [B, H, G*W, N]
+    qk = (q.reshape(B, H, G * W, D).float(), st.keys.float().transpose(-1, -2))
+    if out is None:
+        logits = torch.matmul(*qk)  # [B, H, G*W, N]
+    else:
+        logits = torch.matmul(*qk, out=out.view(-1)[:B * H * G * W * N].view(B, H, G * W, N))
     # in place: the same numbers as out-of-place ops, without more [B, H, G * W, N] buffers
     logits.div_(math.sqrt(D)).add_(st.log_sizes[:, :, None, :])
     # query w sits at token T - W + w and sees only slots at or before it
@@ -117,7 +130,7 @@ def max_attention(st: KVState, q: Tensor) -> Tensor:
     if n0 < N:
         future = st.positions[:, :, None, n0:] > qpos.repeat(G)[None, None, :, None]  # row g * W + w: query w
         logits[..., n0:].masked_fill_(future, float("-inf"))
-    return torch.softmax(logits, -1).nan_to_num_(0.0).amax(2)  # [B, H, N]
+    return torch.softmax(logits, -1, out=logits).nan_to_num_(0.0).amax(2)  # [B, H, N]
 
 
 def per_head_max(x: Tensor, slot_sid: Tensor, num: int) -> Tensor:
