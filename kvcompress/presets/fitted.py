@@ -23,10 +23,15 @@ from .importance import kvzip_csm
 from .semanticache import semanticache_fixed64, semanticache_safe
 
 WINDOW = 32  # last queries per layer the fit uses (the -safe presets: their query window, also 32)
+# the joint key steps and value solve move the most-attended quarter of each head's fitted slots: the
+# steps' cost falls about fourfold and the >= 30% KL cut held in every cell (session 9,
+# results/issue14-targets/explore-s9; session 10's run: results/issue14-targets/s10)
+REFINE_SHARE = 0.25
 
 
 def fitted_merger(queries: str = "window", reference_queries: int = WINDOW, rounds: str = "once") -> StrategySpec:
-    return StrategySpec("fitted", {"queries": queries, "reference_queries": reference_queries, "rounds": rounds})
+    return StrategySpec("fitted", {"queries": queries, "reference_queries": reference_queries, "rounds": rounds,
+                                   "refine_share": REFINE_SHARE})
 
 
 def _fitted(base: PipelineConfig, name: str, merger: StrategySpec | None = None, rounds: str = "once") -> PipelineConfig:
