@@ -652,11 +652,17 @@ def test_presets_fit_once_to_their_query_window():
     from kvcompress.pipeline import Pipeline
     from kvcompress.presets import get_preset
 
-    names = ("centroidkv-fitted", "semanticache-fitted", "centroidkv-safe-fitted", "kvzip-csm-fitted")
+    names = ("centroidkv-fitted", "semanticache-fitted", "semanticache-safe-fitted", "centroidkv-safe-fitted",
+             "kvzip-csm-fitted")
     params = {n: dict(get_preset(n).merger.params) for n in names}
     assert {n: (p["rounds"], p["queries"]) for n, p in params.items()} == {n: ("once", "window") for n in names}
+    # the steps move the most-attended quarter of the fitted slots (the cost target; session 10), the
+    # rest of the merger at its defaults
+    assert {n: p["refine_share"] for n, p in params.items()} == {n: 0.25 for n in names}
+    assert all(FittedMerger(**p).refine == 3 for p in params.values())
     assert {n: p["reference_queries"] for n, p in params.items()} == {
-        "centroidkv-fitted": 32, "semanticache-fitted": 32, "centroidkv-safe-fitted": 64, "kvzip-csm-fitted": 32}
+        "centroidkv-fitted": 32, "semanticache-fitted": 32, "semanticache-safe-fitted": 32, "centroidkv-safe-fitted": 64,
+        "kvzip-csm-fitted": 32}
     # the -safe guard reads every captured query: it sees the 64 the fit uses (its twin:
     # centroidkv-safe with query_window=64), and the pipeline asks the cache for exactly those
     cfg = get_preset("centroidkv-safe-fitted")

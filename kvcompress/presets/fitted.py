@@ -8,10 +8,10 @@ the fit's cost at a small loss of KL, results/issue14-r), 64 for ``centroidkv-sa
 guard then reads those 64 too: its same-cluster twin is centroidkv-safe with query_window=64).
 Measured on SmolLM2 the window predicts the queries that follow far better than queries strided
 over the prefill (docs/mergers.md). The closed form is followed by three joint key steps and a
-value solve per head (``refine=3``). KL against the mean-merger twins (SmolLM2, PG / pydoc, one
-run, results/issue14-targets/s8): -35.6% to -56.4% at keep 0.5 and 0.25, every pair and cell. The
-fit costs 1.8-2.9% of an 8k prefill with ``refine=0`` and 2.2-4.4% with the default 3 (R = 32;
-centroidkv-safe-fitted's R = 64: 4.1-6.6%; results/issue14-cost/cost-8k-s8.json). The
+value solve per head (``refine=3``) that move the most-attended quarter of each head's fitted
+slots (``refine_share=0.25``, session 10). KL against the mean-merger twins (SmolLM2, PG / pydoc,
+one run, results/issue14-targets/s10): -33.6% to -56.6% at keep 0.5 and 0.25, every pair and cell.
+The fit's cost against an 8k prefill: results/issue14-cost/cost-s10.json and docs/mergers.md. The
 SemantiCache variant uses fixed 64-token chunks (delimiter anchors alone floor the keep ratio
 near 0.3, as for semanticache-safe).
 """
@@ -23,10 +23,15 @@ from .importance import kvzip_csm
 from .semanticache import semanticache_fixed64, semanticache_safe
 
 WINDOW = 32  # last queries per layer the fit uses (the -safe presets: their query window, also 32)
+# the joint key steps and value solve move the most-attended quarter of each head's fitted slots: the
+# steps' cost falls about fourfold and the >= 30% KL cut held in every cell (session 9,
+# results/issue14-targets/explore-s9; session 10's run: results/issue14-targets/s10)
+REFINE_SHARE = 0.25
 
 
 def fitted_merger(queries: str = "window", reference_queries: int = WINDOW, rounds: str = "once") -> StrategySpec:
-    return StrategySpec("fitted", {"queries": queries, "reference_queries": reference_queries, "rounds": rounds})
+    return StrategySpec("fitted", {"queries": queries, "reference_queries": reference_queries, "rounds": rounds,
+                                   "refine_share": REFINE_SHARE})
 
 
 def _fitted(base: PipelineConfig, name: str, merger: StrategySpec | None = None, rounds: str = "once") -> PipelineConfig:

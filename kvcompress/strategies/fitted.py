@@ -253,15 +253,18 @@ class FittedMerger:
             live = torch.zeros(rows * K, dtype=torch.bool, device=dev).index_fill_(0, at, True).view(B, H, K)
             bias = res.bias.masked_fill(~live, NEG_INF)
             if self.refine_share < 1.0:
-                moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share)
+                moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share,
+                                            logits=res.logits)
                 take = moving[..., None].expand(-1, -1, -1, D)
-                moved_k, moved_v = refine_jointly(keys.gather(2, take), values.gather(2, take), bias.gather(2, moving),
-                                                  rest, queries, res.targets, scale=scale, steps=self.refine,
-                                                  step=self.refine_step, dtype=merged.keys.dtype)
+                moved_k, moved_v = refine_jointly(
+                    keys.gather(2, take), values.gather(2, take), bias.gather(2, moving), rest, queries, res.targets,
+                    scale=scale, steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype,
+                    logits=res.logits.gather(2, moving[..., None].expand(-1, -1, -1, res.logits.shape[-1])))
                 keys, values = keys.scatter(2, take, moved_k), values.scatter(2, take, moved_v)
             else:
                 keys, values = refine_jointly(keys, values, bias, rest, queries, res.targets, scale=scale,
-                                              steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype)
+                                              steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype,
+                                              logits=res.logits)
         # only the fitted rows change: everything else stays the merge's, bit for bit
         return merged.replace(keys=put(merged.keys, keys, merged.keys.dtype),
                               values=put(merged.values, values, merged.values.dtype),
@@ -295,17 +298,27 @@ def _flat_index(index: Tensor, width: int) -> Tensor:
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _as_words(x: Tensor) -> Tensor:
+    """[n, E] rows (contiguous) -> [n, W] integers of the widest width that divides a row's bytes:
+    the same bits, compared in fewer steps."""
+    row = x.shape[-1] * x.element_size()
+    width = next(w for w in (8, 4, 2, 1) if row % w == 0)
+    return x.view(torch.uint8).view(_INT_OF[width])
+
+
 def _differs_from(keys: Tensor, other: Tensor) -> Tensor:
     """[B, H, N] bool: slot n's key is not bitwise equal to slot other[n]'s (other: [B, H, N] long).
     Exact: only the slots whose other slot is not themselves are compared, bit pattern by bit
-    pattern (a representative's own members are the merged ones: a fraction of the slots)."""
+    pattern (a representative's own members are the merged ones: a fraction of the slots), in
+    8-byte words where a key's bytes allow."""
     B, H, N, D = keys.shape
-    bits = keys.reshape(B * H * N, D).view(_INT_OF[keys.element_size()])
+    bits = _as_words(keys.reshape(B * H * N, D))
     index = _flat_index(other, N)
     pairs = (index != torch.arange(index.numel(), device=index.device)).nonzero().squeeze(1)
     differs = torch.zeros(B * H * N, dtype=torch.bool, device=keys.device)
     if pairs.numel():
-        differs[pairs] = (bits.index_select(0, pairs) != bits.index_select(0, index.index_select(0, pairs))).any(-1)
+        unequal = bits.index_select(0, pairs) != bits.index_select(0, index.index_select(0, pairs))
+        differs[pairs] = _as_words(unequal).ne(0).any(-1)
     return differs.view(B, H, N)
 
 

@@ -66,6 +66,8 @@ class FitResult:
     bias:         [B, H, M] float32
     n_eff:        [B, H, M] float32, effective number of reference queries behind the bias fit
     targets:      [B, H, P, D] float32, the uncompressed rows' outputs over the reference queries
+    logits:       [B, H, M, P] float32, the fitted keys' scaled logits for the reference queries without
+                  the bias (the joint steps start from them instead of multiplying again)
     """
 
     keys: Tensor
@@ -73,6 +75,7 @@ class FitResult:
     bias: Tensor
     n_eff: Tensor
     targets: Tensor
+    logits: Tensor
 
 
 def _weights(share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -93,7 +96,7 @@ def _weights(share: Tensor, power: float) -> tuple[Tensor, Tensor, Tensor]:
     # normal keeps the reciprocal finite
     inv = torch.where(total > 0, total.clamp(min=torch.finfo(total.dtype).tiny).reciprocal(), 0.0)
     norm = w * inv  # in [0, 1]: its squares cannot underflow as w's might
-    n_eff = torch.where(total[..., 0] > 0, torch.linalg.vecdot(norm, norm).clamp(min=TINY).reciprocal(), 0.0)
+    n_eff = torch.where(total[..., 0] > 0, (norm * norm).sum(-1).clamp(min=TINY).reciprocal(), 0.0)
     return norm, n_eff, inv
 
 
@@ -144,13 +147,12 @@ def fit_clusters(
     rows = B * H
     k32, v32 = keys.float(), values.float()
 
-    # logits of every slot for every query, one row per slot: [B, H, N, P]; the bias rides along
-    # as one more key dimension against a query entry of 1 (one pass over the [N, P] logits)
-    # (the queries transposed once, contiguous: a strided right operand costs the matmul ~1.6x)
-    k_aug = torch.cat([k32, bias.float()[..., None]], dim=-1)
-    q_aug_t = torch.cat([queries.float() * scale, queries.new_ones(B, H, P, 1, dtype=torch.float32)],
-                        dim=-1).transpose(-1, -2).contiguous()  # [B, H, D + 1, P]
-    s = torch.matmul(k_aug, q_aug_t)
+    # logits of every slot for every query, one row per slot: [B, H, N, P], the bias added after the
+    # product (an inner dimension of D + 1, the bias riding along as one more key entry, ran the
+    # product at half the speed of D on CPU); the queries transposed once, contiguous (a strided
+    # right operand costs the matmul ~1.6x)
+    q_t = _scaled_t(queries, scale)  # [B, H, D, P]
+    s = torch.matmul(k32, q_t).add_(bias.float()[..., None])
     # one shift per query row (its top logit): e = exp(s - top) in [0, 1] serves the rows' mass,
     # their output and every cluster's mass; a cluster below TINY of the top is unseen by that query
     top = s.amax(dim=2, keepdim=True)  # [B, H, 1, P]
@@ -185,17 +187,23 @@ def fit_clusters(
         # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
         # and sum_i a_i v_i, one scatter each ([B*H*M, D] sums: keys then values; sum_i a_i = sum_r share_r)
         a = torch.einsum("bhnp,bhp->bhn", e, zc.reciprocal())[..., None]  # [B, H, N, 1]
-        parts = (k32, v32) if key != "mean" else (v32,)
-        sums = torch.cat([e.new_zeros(rows * M + 1, D).index_add_(0, flat, (x * a).view(rows * N, D))[: rows * M]
-                          for x in parts], dim=-1).view(B, H, M, -1)
+        weighted = torch.empty(B, H, N, D, device=dev)  # one buffer for a_i k_i, then a_i v_i
+
+        def attended_sum(x: Tensor) -> Tensor:  # [B, H, M, D]: sum_i a_i x_i per cluster
+            torch.mul(x, a, out=weighted)
+            return e.new_zeros(rows * M + 1, D).index_add_(0, flat, weighted.view(rows * N, D))[: rows * M].view(B, H, M, D)
+
+        sum_v = attended_sum(v32)
+        sum_k = attended_sum(k32) if key != "mean" else None
     slot_keys = prior_keys.float()
     if key != "mean":
-        fitted = sums[..., :D] * inv if separable else member_mean(norm, k32)
+        fitted = sum_k.mul_(inv) if separable else member_mean(norm, k32)
         # attention sees the key in the cache's dtype: fit the bias to that key
         slot_keys = torch.lerp(fitted, slot_keys, alpha[..., None]).to(keys.dtype).float()
 
     # log m - q.k: the bias each query asks for (finite where unseen, where its weight is 0)
-    y = log_mass_of(mass, top).sub_(torch.matmul(slot_keys, q_aug_t[..., :D, :]))
+    logits = torch.matmul(slot_keys, q_t)  # [B, H, M, P], kept for the joint steps
+    y = log_mass_of(mass, top).sub_(logits)
     beta_fit = torch.linalg.vecdot(norm, y)
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
 
@@ -208,12 +216,11 @@ def fit_clusters(
     if separable:
         # norm2 rho = share inv2 and norm2 (1 - rho) = (m' - m) / Z inv2:
         # v = (sum_i a_i v_i + sum_r (m'_r - m_r) / Z_r O_r) / sum_r m'_r / Z_r
-        own = sums[..., D:] if key != "mean" else sums
-        value_fit = torch.matmul(fitted_share.sub_(share), row_out).add_(own).mul_(inv2)
+        value_fit = torch.matmul(fitted_share.sub_(share), row_out).add_(sum_v).mul_(inv2)
     else:
         value_fit = member_mean(norm2 * rho, v32).add_(torch.matmul(norm2 * (1.0 - rho), row_out))
     slot_values = torch.lerp(value_fit, prior_values.float(), alpha_v[..., None])
-    return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff, targets=row_out)
+    return FitResult(keys=slot_keys, values=slot_values, bias=beta, n_eff=n_eff, targets=row_out, logits=logits)
 
 
 # the soft sign's knee, as a share of a slot's largest key-gradient entry: entries well above it
@@ -257,11 +264,21 @@ def row_part(keys: Tensor, values: Tensor, bias: Tensor, queries: Tensor, scale:
     return RowPart(top=top, mass=e.sum(2), num=torch.matmul(e.transpose(-1, -2), values.float()))
 
 
-def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: RowPart):
+def _logits(keys: Tensor, bias: Tensor, q_t: Tensor, logits: Tensor | None) -> Tensor:
+    """[B, H, K, P] scaled logits plus bias, a fresh tensor: from ``logits`` (the keys' bias-free
+    logits, already multiplied) when given, else keys @ q_t."""
+    if logits is None:
+        return torch.matmul(keys, q_t).add_(bias[..., None])
+    return torch.add(logits, bias[..., None])
+
+
+def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: RowPart,
+               logits: Tensor | None = None):
     """The moving slots' attention a [B, H, K, P] and the rows' outputs [B, H, P, D], the rows
     being these slots and ``rest`` (a query whose row is all padding: zeros, not NaN);
-    q_t: [B, H, D, P] the queries scaled and transposed (``_scaled_t``)."""
-    s = torch.matmul(keys, q_t).add_(bias[..., None])
+    q_t: [B, H, D, P] the queries scaled and transposed (``_scaled_t``); logits: keys @ q_t when
+    already known."""
+    s = _logits(keys, bias, q_t, logits)
     top = torch.maximum(s.amax(dim=2), rest.top)  # [B, H, P]
     top = torch.where(top > NEG_INF, top, 0.0)
     e = s.sub_(top[:, :, None]).exp_()
@@ -272,19 +289,20 @@ def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: Ro
 
 
 def split_moving(keys: Tensor, values: Tensor, bias: Tensor, rest: RowPart, queries: Tensor, *, scale: float,
-                 share: float) -> tuple[Tensor, RowPart]:
+                 share: float, logits: Tensor | None = None) -> tuple[Tensor, RowPart]:
     """The ``share`` of each head's fitted slots that the key steps move: those the reference queries
     attend to most under the closed form (their summed attention over the queries; the other slots
     carry little of any row, and moving them buys little KL for the same work), and the rows' part
     of the others folded into ``rest`` (they stay put: their terms are computed once).
 
     keys, values: [B, H, K, D] float32 fitted slots; bias: [B, H, K] (-inf: an empty row)
+    logits:       [B, H, K, P] the keys' scaled logits without the bias, when known (``FitResult.logits``)
     returns the moving slots' indices [B, H, T] (T = ceil(share * K), in no particular order) and the
     rows' part of ``rest`` and of the slots that stay, one RowPart
     """
     K = keys.shape[2]
     T = max(1, min(K, math.ceil(share * K)))
-    s = torch.matmul(keys, _scaled_t(queries, scale)).add_(bias[..., None])  # [B, H, K, P]
+    s = _logits(keys, bias, None if logits is not None else _scaled_t(queries, scale), logits)  # [B, H, K, P]
     top = torch.maximum(s.amax(dim=2), rest.top)
     top = torch.where(top > NEG_INF, top, 0.0)  # [B, H, P]
     e = s.sub_(top[:, :, None]).exp_()
@@ -311,6 +329,7 @@ def refine_jointly(
     steps: int,
     step: float,
     dtype: torch.dtype,
+    logits: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Move the fitted slots' keys and values so that the head's slots TOGETHER reproduce the
     uncompressed rows' outputs over the reference queries (the per-cluster fit matches each cluster
@@ -327,6 +346,8 @@ def refine_jointly(
                   half as long); then the values by one ridge least squares over the queries
                   (P x P per head: the fewest-change correction, toward the per-cluster fit)
     dtype:        the cache's dtype: every step sees the keys as attention will
+    logits:       [B, H, K, P] the given keys' scaled logits without the bias, when known (the first
+                  step's attention then needs no product)
     returns the keys and values, [B, H, K, D] float32; the error over the reference queries is
     never above the per-cluster fit's
     """
@@ -336,7 +357,7 @@ def refine_jointly(
     scale_t = targets.square().sum((-2, -1)).clamp(min=TINY)  # [B, H]
     best_err = torch.full_like(lr, float("inf"))
     for t in range(steps + 1):
-        a, out = _attention(keys, values, bias, q_t, rest)  # [B, H, K, P], [B, H, P, D]
+        a, out = _attention(keys, values, bias, q_t, rest, logits if t == 0 else None)  # [B, H, K, P], [B, H, P, D]
         g = out - targets
         err = g.square().sum((-2, -1))  # [B, H]
         better = err <= best_err

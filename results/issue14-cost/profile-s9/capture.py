@@ -1,8 +1,9 @@
 """Real SmolLM2 8k layer states as the pipeline receives them after the prefill (issue 14, session 9):
-one prefill through CompressedCache with kvzip-csm-fitted (the reconstruction pass runs, so the states
-carry its statistic), the last 64 queries of every layer recorded; Pipeline.prepare's input is saved.
+one prefill through CompressedCache with kvzip-copy-heads-fitted (session 10; session 9 used kvzip-csm-fitted:
+the reconstruction pass and the surprisal pass run, so the states carry both statistics), the last 64 queries
+of every layer recorded; Pipeline.prepare's input is saved.
     python results/issue14-cost/profile-s9/capture.py [OUT]   (default results/tmp/s9/states-8k.pt, ~400 MB)
-Replayed by cost.py (--states) and profile.py: every preset's pipeline runs on the same 30 states."""
+Replayed by cost.py (--states) and profile_fit.py (profile.py would shadow the stdlib module): every preset's pipeline runs on the same 30 states."""
 import sys, time, torch
 sys.path.insert(0, ".")
 from kvcompress.hf.loading import load_model
@@ -21,7 +22,7 @@ def grab(self, states):
     got.extend(states)
     return orig(self, states)
 Pipeline.prepare = grab
-cache = CompressedCache.for_model(model, tok, pipeline="kvzip-csm-fitted", record=Needs(query_window=64))
+cache = CompressedCache.for_model(model, tok, pipeline="kvzip-copy-heads-fitted", record=Needs(query_window=64))
 t = time.perf_counter()
 with torch.inference_mode():
     model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)

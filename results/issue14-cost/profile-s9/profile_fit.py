@@ -1,6 +1,6 @@
 """Where the fit's time goes, per part, on real 8k SmolLM2 layers (issue 14, session 9).
 
-    python results/issue14-cost/profile-s9/profile.py STATES.pt PRESET BUDGET [merger.k=v ...]
+    python results/issue14-cost/profile-s9/profile_fit.py STATES.pt PRESET BUDGET [merger.k=v ...]
 STATES.pt from capture.py. Runs PRESET's pipeline at BUDGET on all 30 layers, grabbing what
 fit_plan receives, then times FittedMerger.refit on those inputs (thread CPU time, 3 repeats, median)
 and line by line (sys.settrace; the lines of refit and of the fitting functions, ms per layer)."""
@@ -41,7 +41,7 @@ for rep in range(3):
     ts.append((T() - t) / len(caps) * 1000)
 print("refit ms/layer", [round(x, 1) for x in ts], "median", round(statistics.median(ts), 1), "x30 =",
       round(statistics.median(ts) * 30 / 1000, 2), "s", flush=True)
-targets = {f.__code__ for f in (FT.fit_clusters, FT.fit_members, FT.split_moving, FT.refine_jointly, FD.FittedMerger.refit, FT._attention, FT.row_part, FT._weights)}
+targets = {f.__code__ for f in (FT.fit_clusters, FT.split_moving, FT.refine_jointly, FD.FittedMerger.refit, FT._attention, FT.row_part, FT._weights)}
 targets |= {getattr(FT, n).__code__ for n in dir(FT) if n.startswith("fast_") or n.startswith("_fast")}
 targets |= {getattr(FD, n).__code__ for n in dir(FD) if n.startswith("_") and callable(getattr(FD, n)) and hasattr(getattr(FD, n), "__code__")}
 acc = collections.Counter(); last = {}
