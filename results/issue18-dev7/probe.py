@@ -44,6 +44,10 @@ p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
 p.add_argument("--budget", type=float, default=0.25)
 p.add_argument("--variants", default="all")
 p.add_argument("--out", required=True)
+p.add_argument("--snapshots", default=None, help="folder caching each sample's prefill + reconstruction pass "
+               "(a later run with other variants compresses from it without the model passes; not committed)")
+p.add_argument("--dump", default=None, help="folder for per-sample tensors (importance per layer/head/token, "
+               "surprisal, sentence ids, window signal, copy scores): offline analysis, not committed")
 a = p.parse_args()
 torch.set_num_threads(1)
 os.makedirs(a.out, exist_ok=True)
@@ -69,6 +73,7 @@ def variants(budget):
         "copy0.2": with_guard(base, copy_heads=0.2),
         "qs0": with_guard(base, query_share=0.0),
         "qs0.5": with_guard(base, query_share=0.5),
+        "banded": Method.parse("kvzip-copy-heads-banded").config(budget),
     }
     if a.variants != "all":
         out = {k: v for k, v in out.items() if k in a.variants.split(",")}
@@ -109,6 +114,13 @@ def guard_view(cfg, states, spans):
     pct = float((imp[0] < imp[0, v0:v1].mean()).float().mean())
     copy = torch.stack([copy_of(st)[0] for st in states])  # [L, H]
     copy_pairs = (copy >= guard._copy_thr[0]).nonzero().tolist() if guard._copy_thr is not None else []
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        per_lht = torch.stack([st.stats["reconstruction"][0] for st in states]).half()  # [L, H, T]
+        torch.save({"imp": imp[0], "per_lht": per_lht, "surprisal": surprisal_of(first, T)[0], "sid": sid[0],
+                    "already": already[0], "signal": signal[0], "copy": torch.stack([copy_of(st)[0] for st in states]),
+                    "spans": spans, "score": score_[0], "lengths": lengths[0], "allowance": allowance,
+                    "keep": guard._keep[0]}, os.path.join(a.dump, f"{DUMP_ID}.pt"))
     return {
         "T": T, "sentences": num, "budget": int(budget[0]), "room": room, "allowance": allowance,
         "query_part": part, "needle_sentences": ns, "value_sentence": vs,
@@ -162,12 +174,21 @@ for smp in samples:
     t0 = time.perf_counter()
     prompt = build_prompt(tok, smp.context, smp.question, None)
     spans = {k: token_span(prompt.offsets, v, shift=prompt.context_offset) for k, v in smp.spans.items()}
-    rec = Recorder.for_configs(model, tok, list(V.values()))
-    rec.feed(prompt.head)
-    snap = rec.snapshot()
-    rec.close()
-    t1 = time.perf_counter()
-    rs = attach_reconstruction(model, tok, snap, surprisal=True)
+    cached = a.snapshots and os.path.join(a.snapshots, f"{smp.sample_id}.pt")
+    if cached and os.path.exists(cached):
+        snap = torch.load(cached, weights_only=False)
+        t1, rs = t0, 0.0
+    else:
+        rec = Recorder.for_configs(model, tok, list(V.values()))
+        rec.feed(prompt.head)
+        snap = rec.snapshot()
+        rec.close()
+        t1 = time.perf_counter()
+        rs = attach_reconstruction(model, tok, snap, surprisal=True)
+        if cached:
+            os.makedirs(a.snapshots, exist_ok=True)
+            torch.save(snap, cached)
+    DUMP_ID = smp.sample_id
     view = guard_view(V.get("fitted", Method.parse(BASE).config(a.budget)), snap.states, spans)
     L, H = len(snap.states), snap.states[0].num_heads
     for k in todo:

@@ -8,9 +8,9 @@ O=results/issue18-dev7
 steps=${*:-word4k word2k dist4k}
 for step in $steps; do
   case $step in
-    word4k) $PY --length 4096 --fact code-word --out $O/word-4k ;;
-    word2k) $PY --length 2048 --fact code-word --out $O/word-2k ;;
-    dist4k) $PY --length 4096 --fact number --distractors --out $O/distractors-4k ;;
+    word4k) $PY --length 4096 --fact code-word --out $O/word-4k --dump ${DUMP:-/tmp/h18-dev7}/word-4k --snapshots ${DUMP:-/tmp/h18-dev7}/snap-word-4k ;;
+    word2k) $PY --length 2048 --fact code-word --out $O/word-2k --dump ${DUMP:-/tmp/h18-dev7}/word-2k --snapshots ${DUMP:-/tmp/h18-dev7}/snap-word-2k ;;
+    dist4k) $PY --length 4096 --fact number --distractors --out $O/distractors-4k --dump ${DUMP:-/tmp/h18-dev7}/distractors-4k --snapshots ${DUMP:-/tmp/h18-dev7}/snap-distractors-4k ;;
     dist2k) $PY --length 2048 --fact number --distractors --out $O/distractors-2k ;;
   esac
 done
