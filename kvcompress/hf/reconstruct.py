@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..strategies.fitted import RECONSTRUCTION_QUERIES
-from ..strategies.importance import COPY, STAT, SURPRISAL
+from ..strategies.importance import COPY, RECONSTRUCTION_CHUNK, STAT, SURPRISAL
 from ..types import NEG_INF, KVState
 from ..validation import check_int, check_range, require
 
@@ -47,7 +47,7 @@ COPY_KEY = COPY  # carried data [B, H] float32 per layer: each KV head's copy sc
 COPY_REACH = 1  # a reconstruction query "copies" when it attends to its aligned slot or one either side
 LOGIT_ROWS = 256  # positions per lm_head call when computing surprisal (memory ~ rows * vocab floats)
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
-DEFAULT_CHUNK = 512
+DEFAULT_CHUNK = RECONSTRUCTION_CHUNK  # the importance guard's band assumes this layout
 
 
 @dataclass

@@ -35,9 +35,14 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   token t attends to slot t and its neighbours: the few "retrieval" heads of RazorAttention /
   DuoAttention); every other head keeps its own best tokens by reconstruction score
   (``COPY_OTHER_TOKEN_SHARE``, as kvzip-d2o-tokens) and SnapKV's choice, D2O merging the rest.
+- ``kvzip-copy-heads-fitted``: kvzip-copy-heads with the fitted merger, D2O's similarity test in the
+  plan, and a share of the allowance for the sentences the window queries attend to;
+- ``kvzip-copy-heads-banded``: kvzip-copy-heads-fitted with each token's importance taken relative
+  to its reconstruction chunk (``BAND``), so the distance the pass copied it from does not rank it.
 """
 
 from ..config import PipelineConfig, StrategySpec
+from ..strategies.importance import RECONSTRUCTION_CHUNK
 from . import register_preset
 from .baselines import D2O_BETA, SNAPKV_KERNEL, SNAPKV_WINDOW
 from .centroidkv import CENTROIDKV_SCHEDULE
@@ -63,6 +68,8 @@ FIT_MERGER = {"queries": "window", "reference_queries": 32, "key": "attention", 
               "scale": None, "rounds": "once", "refine": 3, "refine_step": 0.7,
               "refine_share": 1.0, "query_stride": 1}
 SCORER = {"name": "reconstruction"}
+# kvzip-copy-heads-banded: each token's importance relative to the tokens the pass copied from the same distance
+BAND = RECONSTRUCTION_CHUNK
 
 
 def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
@@ -200,6 +207,19 @@ def kvzip_copy_heads_fitted() -> PipelineConfig:
         merger=StrategySpec("fitted", dict(FIT_MERGER)),
         guards=(guard,),
     )
+
+
+@register_preset("kvzip-copy-heads-banded")
+def kvzip_copy_heads_banded() -> PipelineConfig:
+    """kvzip-copy-heads-fitted with each token's importance divided by the median importance of its
+    reconstruction chunk (guard ``band``): the pass copies a chunk's tokens from one distance, the
+    context's first chunk from the farthest, and on 4k tokens that distance alone lowers the early
+    chunks' scores several times (dev, results/issue18-dev7); the sentences are then ranked within
+    the distance they were copied from."""
+    base = kvzip_copy_heads_fitted()
+    (guard,) = base.guards
+    return base.replace(name="kvzip-copy-heads-banded",
+                        guards=(StrategySpec(guard.name, {**guard.params, "band": BAND}),))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
-from ..validation import check_choice, check_range, require
+from ..validation import check_choice, check_int, check_range, require
 from .sentences import (SENTENCE_ENDS, max_attention, per_head_max, select_sentences, sentence_ids,
                         sentence_sum, slot_sentences)
 from .guards import decided_for
@@ -38,6 +38,10 @@ COPY = "reconstruction_copy"  # extras [B, H] float32 per layer: each KV head's 
 REDUCES = ("mean", "sum", "max", "median")
 QUERY_WINDOW = 32  # the guard's query_share: last queries of each layer it asks the cache to record
 HEAD_BUDGETS = ("uniform", "adaptive")
+# tokens the reconstruction pass reconstructs per chunk (kvcompress.hf.reconstruct reads it from here): the
+# queries of a chunk starting at context position s sit after the whole cache, so the tokens of one chunk are
+# all copied from one distance (T + prompt - s), the first chunk's from the farthest
+RECONSTRUCTION_CHUNK = 512
 
 
 def reconstruction_stat(state: KVState, who: str = "reconstruction scorer") -> Tensor:
@@ -189,6 +193,15 @@ class ImportanceGuard:
     other_token_share: with ``copy_heads`` < 1, the share of the budget the heads without
             sentences give to their own best tokens by reconstruction score (the rest of their
             budget: SnapKV's choice and merging); None: share + token_share (the whole allowance)
+    band:   0: a token's importance as the pass gives it. n > 0: divided by the median importance
+            of the tokens the guard may choose (not the sinks or the recent window) among context
+            positions [k n, (k + 1) n) holding it (``band_relative``). The pass reconstructs the
+            context chunk by chunk (``RECONSTRUCTION_CHUNK`` tokens) with every chunk's queries after
+            the whole cache, so a chunk's tokens are copied from one distance, the first chunk's
+            from the farthest; on a 4k context the attention the early chunks receive is several
+            times lower for that reason alone (dev, results/issue18-dev7), and sentences are then
+            ranked by where they are rather than by what they say. With ``band`` equal to the
+            pass's chunk each token is compared with the tokens copied from its own distance
     ends:   characters that end a sentence
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
@@ -202,7 +215,7 @@ class ImportanceGuard:
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
                  copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
-                 query_heads: float = 1.0, ends: Sequence[str] = SENTENCE_ENDS):
+                 query_heads: float = 1.0, band: int = 0, ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         check_range("copy_heads", copy_heads, 0.0, 1.0, lo_open=True)
         self.copy_heads = float(copy_heads)
@@ -210,6 +223,8 @@ class ImportanceGuard:
         self.query_share = float(query_share)
         check_range("query_heads", query_heads, 0.0, 1.0, lo_open=True)
         self.query_heads = float(query_heads)
+        check_int("band", band, 0)
+        self.band = int(band)
         if other_token_share is not None:
             check_range("other_token_share", other_token_share, 0.0, 1.0)
             require(other_token_share + window_share <= 1.0 + 1e-9, "other_token_share", other_token_share,
@@ -242,7 +257,7 @@ class ImportanceGuard:
         return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
                 f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
                 f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
-                f"query_share={self.query_share}, query_heads={self.query_heads})")
+                f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band})")
 
     @property
     def needs(self) -> Needs:
@@ -264,6 +279,8 @@ class ImportanceGuard:
         sid = sentence_ids(ids, first.vocab, self.ends)
         num = int(sid.max()) + 1 if T else 1
         free = (~already[:, :T].to(ids.device)).float()
+        if self.band:
+            importance = band_relative(importance, free.bool(), self.band)
         lengths = sentence_sum(free, sid, num)
         if self.reduce == "max":
             score = importance.new_zeros(B, num).scatter_reduce_(-1, sid, importance, "amax", include_self=True)
@@ -379,6 +396,21 @@ def window_signal(states: Sequence[KVState], sid: Tensor, num: int, already: Ten
             per_head = per_head * picked[:, i, :, None]
         out += per_head.sum(1)
     return out
+
+
+def band_relative(x: Tensor, free: Tensor, band: int) -> Tensor:
+    """[B, T]: ``x`` [B, T] divided, per row, by the median of ``x`` over the ``free`` [B, T] bool
+    tokens of its band (context positions [k band, (k + 1) band)); a band without free tokens,
+    or whose median is not positive, is left as it is (divided by 1)."""
+    B, T = x.shape
+    if T == 0:
+        return x
+    k = torch.arange(T, device=x.device) // band  # [T]
+    nb = int(k[-1]) + 1
+    group = torch.where(free, k[None, :].expand(B, T), nb)  # the tokens not free: one extra group, ignored
+    med = sentence_median(x, group, nb + 1)[:, :nb]  # [B, nb]
+    med = torch.where(med > 0, med, torch.ones((), dtype=med.dtype, device=med.device))
+    return x / med.gather(1, k[None, :].expand(B, T))
 
 
 def sentence_median(x: Tensor, sid: Tensor, num: int) -> Tensor:
