@@ -28,8 +28,8 @@ from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
-from .sentences import (SENTENCE_ENDS, max_attention, per_head_max, select_sentences, sentence_ids,
-                        sentence_sum, slot_sentences)
+from .sentences import (SENTENCE_ENDS, per_head_max, select_sentences, sentence_ids,
+                        sentence_sum, slot_sentences, window_attention)
 from .guards import decided_for
 
 STAT = "reconstruction"
@@ -383,14 +383,10 @@ def window_signal(states: Sequence[KVState], sid: Tensor, num: int, already: Ten
         k = int(math.ceil(heads * copy.shape[1] - 1e-9))
         picked = (copy >= copy.topk(k, dim=-1).values[:, -1:]).view(B, len(use), -1).to(sid.device)
     out = torch.zeros(B, num, dtype=torch.float32, device=sid.device)
-    for i, st in enumerate(use):
-        q = st.extras.get("queries")
-        require(q is not None and q.dim() == 4 and q.shape[2] > 0, "extras['queries']",
-                None if q is None else tuple(q.shape),
-                "the last queries of every layer [B, Hq, W, D]: set query_window > 0 in the pipeline config")
+    for i, (st, att) in enumerate(window_attention(use)):
         pos = st.positions.clamp(0, already.shape[1] - 1)
         skip = already.gather(1, pos.flatten(1)).view_as(pos) | (st.positions < 0) | (st.positions >= already.shape[1])
-        att = max_attention(st, q).masked_fill(skip.to(st.keys.device), 0.0)
+        att = att.masked_fill_(skip.to(st.keys.device), 0.0)
         per_head = per_head_max(att, slot_sentences(st, sid), num)  # [B, H, S]
         if picked is not None:
             per_head = per_head * picked[:, i, :, None]

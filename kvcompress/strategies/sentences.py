@@ -18,7 +18,7 @@ allowance. All functions are pure tensors in, tensors out.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -86,9 +86,16 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
     by position more than by content and are left out (unless there are no others).
     """
     out = torch.zeros(sid.shape[0], num, dtype=torch.float32, device=sid.device)
-    use = list(states[skip_layers:]) or list(states)
-    scratch = None  # max_attention's logits, one buffer for every layer
-    for st in use:
+    for st, att in window_attention(list(states[skip_layers:]) or list(states)):
+        out += per_head_max(att, slot_sentences(st, sid), num).sum(1)
+    return out
+
+
+def window_attention(states: Sequence[KVState]) -> Iterator[tuple[KVState, Tensor]]:
+    """(state, ``max_attention`` of its window queries [B, H, N]) for every state in turn, the
+    states' ``extras["queries"]`` checked, the logits of every layer in one scratch buffer."""
+    scratch = None
+    for st in states:
         q = st.extras.get("queries")
         require(q is not None and q.dim() == 4 and q.shape[2] > 0, "extras['queries']",
                 None if q is None else tuple(q.shape),
@@ -97,8 +104,7 @@ def query_signal(states: Sequence[KVState], sid: Tensor, num: int, skip_layers: 
         size = B * Hq * W * st.num_slots
         if scratch is None or scratch.numel() < size or scratch.device != q.device:
             scratch = torch.empty(size, dtype=torch.float32, device=q.device)
-        out += per_head_max(max_attention(st, q, scratch), slot_sentences(st, sid), num).sum(1)
-    return out
+        yield st, max_attention(st, q, scratch)
 
 
 def max_attention(st: KVState, q: Tensor, out: Tensor | None = None) -> Tensor:
