@@ -50,19 +50,15 @@ def d2o_product(num_tokens: int, keep_ratio: float, *, heads: int, head_dim: int
     """
     from ..strategies import d2o
 
-    if coarse is None:
-        coarse = head_dim <= d2o._COARSE_MAX_DIM and d2o.coarse_available(torch.device("cpu"))
-    dtype = torch.bfloat16 if coarse else torch.float32
     K = max(1, round(keep_ratio * num_tokens))
     E = num_tokens - K
+    if coarse is None:
+        coarse = d2o.coarse_default(head_dim, heads * E * K, torch.device("cpu"))
+    dtype = torch.bfloat16 if coarse else torch.float32
     gen = torch.Generator().manual_seed(seed)
     kept = F.normalize(torch.randn(1, heads, K, head_dim, generator=gen), dim=-1).transpose(-1, -2).to(dtype)
     evicted = F.normalize(torch.randn(1, heads, E, head_dim, generator=gen), dim=-1).to(dtype)
-    if coarse:
-        step = max(1, min(E, d2o._COARSE_ENTRIES // max(1, heads * K)))
-        step = -(-E // -(-E // step))
-    else:
-        step = max(1, min(d2o._ROW_BLOCK, d2o._BLOCK_ENTRIES // max(1, heads * K)))
+    step = d2o.block_rows(E, heads * K, coarse)
     buf = torch.empty(1, heads, step, K, dtype=dtype)
     best = float("inf")
     with torch.inference_mode():

@@ -100,6 +100,23 @@ def coarse_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
 
 
+def coarse_default(dim: int, entries: int, device: torch.device) -> bool:
+    """``most_similar_kept``'s choice when ``coarse`` is None, for ``entries`` similarities of head
+    dimension ``dim`` (small searches, e.g. while decoding: the coarse pass's fixed costs outweigh
+    the product)."""
+    return dim <= _COARSE_MAX_DIM and entries >= _COARSE_MIN_ENTRIES and coarse_available(device)
+
+
+def block_rows(rows: int, width: int, coarse: bool) -> int:
+    """Evicted rows per product block of ``width`` (B * H * K) similarities a row: float32 blocks
+    of at most ``_BLOCK_ENTRIES``; bfloat16 ones larger (a bfloat16 product packs its right-hand
+    side again at every call), of equal sizes (no small last block)."""
+    if not coarse:
+        return max(1, min(_ROW_BLOCK, _BLOCK_ENTRIES // max(1, width)))
+    step = max(1, min(rows, _COARSE_ENTRIES // max(1, width)))
+    return -(-rows // -(-rows // step))
+
+
 def coarse_error_bound(dim: int) -> float:
     """A bound on |bfloat16 cosine - float32 cosine| for unit float32 vectors a, b of ``dim``
     components, the bfloat16 one computed as a bfloat16 matmul does on CPU (inputs rounded to
@@ -204,8 +221,8 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     order, k_ok = _compact(receiving)  # [B, H, K]
     e_order, e_ok = _compact(evicted)  # [B, H, E]
     K, E = order.shape[-1], e_order.shape[-1]
-    if coarse is None:  # (small searches, e.g. while decoding: its fixed costs outweigh the product)
-        coarse = D <= _COARSE_MAX_DIM and B * H * E * K >= _COARSE_MIN_ENTRIES and coarse_available(device)
+    if coarse is None:
+        coarse = coarse_default(D, B * H * E * K, device)
     if coarse and K % _COARSE_BLOCK:  # whole blocks of columns: the extra ones are masked as padding
         pad = _COARSE_BLOCK - K % _COARSE_BLOCK
         order, k_ok = F.pad(order, (0, pad)), F.pad(k_ok, (0, pad))
@@ -233,7 +250,7 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     k_t = k_keys.transpose(-1, -2)  # [B, H, D, K]
     e_parent = torch.empty(B, H, E, dtype=torch.long, device=device)
     e_best = torch.empty(B, H, E, dtype=torch.float32, device=device)
-    step = max(1, min(_ROW_BLOCK, _BLOCK_ENTRIES // max(1, B * H * K)))
+    step = block_rows(E, B * H * K, coarse=False)
     buf = torch.empty(B, H, min(step, E), K, dtype=torch.float32, device=device)
 
     def exact(r0: int, r1: int) -> None:  # float32 products, ``step`` rows at a time
@@ -246,11 +263,10 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
 
     if not coarse:
         exact(0, E)
-    else:  # larger blocks: a bfloat16 product packs its right-hand side again at every call
+    else:
         band = 2.0 * coarse_error_bound(D)
         e_bf, k_bf = e_keys.to(torch.bfloat16), k_t.to(torch.bfloat16)
-        step_bf = max(1, min(E, _COARSE_ENTRIES // max(1, B * H * K)))
-        step_bf = -(-E // -(-E // step_bf))  # blocks of equal size (no small last block)
+        step_bf = block_rows(E, B * H * K, coarse=True)
         buf_bf = torch.empty(B, H, step_bf, K, dtype=torch.bfloat16, device=device)
         found = []  # (flat row of [B * H, E], column) of every coarse block's candidates
         # the rows with a receiving slot to compare with (the others' maximum is -inf in any precision)
