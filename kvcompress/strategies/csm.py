@@ -126,11 +126,24 @@ def rank_within_rows(row: Tensor, score: Tensor, num_rows: int) -> tuple[Tensor,
     """
     # one sort on a composite key: rows 4 apart, 1 - cosine in [0, 2] inside a row (exact in float64)
     key = row.double() * 4.0 + (1.0 - score.double().clamp(-1.0, 1.0))
-    order = key.argsort(stable=True)
+    order = _stable_argsort_nonnegative(key)
     counts = torch.bincount(row, minlength=num_rows)
     starts = counts.cumsum(0) - counts
     rank = torch.arange(row.numel(), device=row.device) - starts[row[order]]
     return order, rank
+
+
+def _stable_argsort_nonnegative(key: Tensor) -> Tensor:
+    """``key.argsort(stable=True)`` for a float64 key of values >= +0.0 (or NaN), faster.
+
+    Non-negative doubles order as their bit patterns read as int64 (equal values, equal bits: no
+    -0.0 here, the key is a sum of non-negative terms), so the int64 argsort gives the same
+    permutation, ties in edge order included; torch sorts int64 by radix, several times faster
+    than float64 at the edge counts of a round (4.5 against 0.7 ms at 50k edges). A NaN key
+    (a NaN score) sorts last in the float sort whatever its payload: that case keeps the float sort."""
+    if key.dtype != torch.float64 or bool(torch.isnan(key).any()):
+        return key.argsort(stable=True)
+    return key.view(torch.int64).argsort(stable=True)
 
 
 @register_clusterer("csm")
@@ -201,10 +214,10 @@ class ChunkedSoftMatching:
         num_a = torch.bincount(edges.row, minlength=R)
         k = torch.minimum(torch.minimum(quota, num_a), need)  # [R] merges this round
         order, rank = rank_within_rows(edges.row, edges.score, R)
-        row, src, dst = edges.row[order], edges.src[order], edges.dst[order]
-        take = rank < k[row]
-        parent = parent.clone()
-        parent[row[take] * N + src[take]] = dst[take]
+        # the edges taken, in rank order; each A slot has one edge, so the writes never collide
+        # and their order does not matter (``parent`` is this call's own tensor: no copy)
+        sel = order[rank < k.index_select(0, edges.row.index_select(0, order))]
+        parent[edges.row.index_select(0, sel) * N + edges.src.index_select(0, sel)] = edges.dst.index_select(0, sel)
 
         remaining = slots - k
         # done once every head meets its target, or no head can progress (r_j only falls)

@@ -235,14 +235,40 @@ def _count_below(vals: Tensor, sorted_tau: Tensor, buffer=None) -> Tensor:
     if int(torch.count_nonzero(between)) * 8 < between.numel():  # (a bool sum converts to int64 first)
         pick = between.view(-1).nonzero().squeeze(1)
         seg = torch.div(pick, L, rounding_mode="floor").remainder_(S)
-        got = torch.searchsorted(sorted_tau.index_select(0, seg), vals.reshape(-1).index_select(0, pick)[:, None])
+        got = _count_below_picked(vals.reshape(-1).index_select(0, pick), seg, sorted_tau)
         torch.mul(above_hi.view(torch.uint8), C, out=slot)
-        return slot.view(-1).index_copy_(0, pick, got.squeeze(1).to(torch.uint8)).view(b, S, L)
+        return slot.view(-1).index_copy_(0, pick, got.to(torch.uint8)).view(b, S, L)
     torch.add(above_lo.view(torch.uint8), above_hi.view(torch.uint8), out=slot)  # bools viewed as 0/1 bytes
     hit = above_lo  # reused as the comparison buffer
     for k in range(1, C - 1):
         slot.add_(torch.gt(vals, thr[k], out=hit).view(torch.uint8))
     return slot
+
+
+def _ordered_bits(x: Tensor) -> Tensor:
+    """float32 -> int32 in the same order: ``a < b`` exactly when ``key(a) < key(b)``, equal values
+    equal keys (not NaN). Positive floats order as their bits; a negative one's magnitude bits are
+    flipped so that larger magnitudes come first; -0.0 becomes +0.0 first (``x + 0.0``)."""
+    bits = (x + 0.0).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _count_below_picked(vals: Tensor, seg: Tensor, sorted_tau: Tensor) -> Tensor:
+    """[n] long: how many of segment seg[i]'s thresholds lie strictly below vals[i].
+
+    One search of a single sorted table instead of a row of thresholds gathered per value: each
+    threshold and value becomes the int64 ``segment * 2**32 + order key`` (exact: no float sum
+    rounds), so segment s's entries fill one contiguous run of the table, and the position of a
+    value's key in it less s * C is its slot, ties at thresholds included (``searchsorted``'s
+    left side: thresholds equal to the value are not below it). NaN thresholds or other dtypes:
+    the per-value search."""
+    S, C = sorted_tau.shape
+    if vals.dtype != torch.float32 or sorted_tau.dtype != torch.float32 or bool(torch.isnan(sorted_tau).any()):
+        return torch.searchsorted(sorted_tau.index_select(0, seg), vals[:, None]).squeeze(1)
+    base = torch.arange(S, device=seg.device)[:, None] * (1 << 32) + (1 << 31)  # [S, 1]
+    table = (_ordered_bits(sorted_tau).long() + base).reshape(-1)  # [S * C] ascending
+    keys = _ordered_bits(vals).long().add_(seg * (1 << 32) + (1 << 31))
+    return torch.searchsorted(table, keys).sub_(seg * C)
 
 
 def bucket_seeds(sims: BucketSimilarity, tau: Tensor) -> Tensor:

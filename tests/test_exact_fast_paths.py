@@ -1,0 +1,114 @@
+"""Session 11's faster paths against the code they replace, bit for bit:
+
+- CSM's edge ranking sorts the float64 key's bits as int64 (``_stable_argsort_nonnegative``) and
+  writes the plan from the selected edges only: the plans must equal main's (tests/slow_reference/
+  csm_v0.py, verbatim) on random states with exact ties, near-duplicate keys and every partition;
+- GSC's search of the values inside a narrow threshold bracket (``_count_below_picked``) searches
+  one table of int64 order keys: its slots must equal ``searchsorted``'s per segment, signed zeros,
+  subnormals, ties and duplicated thresholds included.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvcompress as kc
+from conftest import CORE_SETTINGS
+from kvcompress.strategies import csm as fast_csm
+from kvcompress.strategies import gsc as fast_gsc
+from slow_reference import csm_v0 as slow_csm
+
+
+def _csm_state(seed, B, H, N, D, duplicates, p_invalid):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, N, D, generator=gen)
+    if duplicates == "exact" and N > 2:  # identical keys: cosines tie exactly, edges tie in the ranking
+        keys[..., 2::3, :] = keys[..., 0:1, :]
+    elif duplicates == "near" and N > 2:  # cosines a few ulps apart: ties in the rounded float64 key
+        M = keys[..., 1::2, :].shape[-2]
+        keys[..., 1::2, :] = keys[..., :1, :] * (1 + 1e-7 * torch.randn(B, H, M, 1, generator=gen))
+    values = torch.randn(B, H, N, D, generator=gen)
+    state = kc.KVState.from_raw(keys, values)
+    invalid = torch.rand(B, H, N, generator=gen) < p_invalid
+    return state.replace(log_sizes=state.log_sizes.masked_fill(invalid, float("-inf"))), gen
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(2, 300),
+       D=st.sampled_from([1, 2, 8]), size=st.sampled_from([2, 5, 16, 64]),
+       partition=st.sampled_from(["alternating", "contiguous", "random"]),
+       duplicates=st.sampled_from(["none", "exact", "near"]), p_invalid=st.sampled_from([0.0, 0.2]),
+       p_out=st.sampled_from([0.0, 0.3]), keep=st.floats(0.05, 1.0), round_idx=st.integers(0, 4))
+def test_csm_plans_equal_mains(seed, B, H, N, D, size, partition, duplicates, p_invalid, p_out, keep, round_idx):
+    state, gen = _csm_state(seed, B, H, N, D, duplicates, p_invalid)
+    protected = torch.rand(B, H, N, generator=gen) < p_out
+    chunk_ids = fast_csm.CSMChunker(size=size)(state, protected)
+    target = torch.floor(state.valid.sum(-1).double() * keep).long()
+    new = fast_csm.ChunkedSoftMatching(partition=partition)(state, chunk_ids, target, round_idx)
+    old = slow_csm.ChunkedSoftMatching(partition=partition)(state, chunk_ids, target, round_idx)
+    assert torch.equal(new.parent, old.parent) and new.done == old.done
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), E=st.integers(0, 3000), R=st.integers(1, 6),
+       scores=st.sampled_from(["uniform", "few", "tiny", "extremes"]))
+def test_int64_argsort_of_the_ranking_key_equals_the_float_one(seed, E, R, scores):
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randint(0, R, (E,), generator=gen)
+    if scores == "uniform":
+        score = torch.rand(E, generator=gen) * 2 - 1
+    elif scores == "few":  # many exact ties
+        score = torch.tensor([-1.0, -0.5, 0.0, 0.25, 1.0])[torch.randint(0, 5, (E,), generator=gen)]
+    elif scores == "tiny":  # distinct float32 scores whose float64 keys round to ties
+        score = (torch.rand(E, generator=gen) - 0.5) * 1e-12
+    else:
+        score = torch.tensor([-1.0, 1.0, -0.0, 0.0, 1e-38, -1e-45])[torch.randint(0, 6, (E,), generator=gen)]
+    key = row.double() * 4.0 + (1.0 - score.double().clamp(-1.0, 1.0))
+    assert torch.equal(fast_csm._stable_argsort_nonnegative(key), key.argsort(stable=True))
+    order, rank = fast_csm.rank_within_rows(row, score, R)
+    old_order, old_rank = slow_csm.rank_within_rows(row, score, R)
+    assert torch.equal(order, old_order) and torch.equal(rank, old_rank)
+
+
+def test_nan_keys_keep_the_float_sort():
+    key = torch.tensor([2.0, float("nan"), 1.0, -float("nan"), 0.0], dtype=torch.float64)
+    assert torch.equal(fast_csm._stable_argsort_nonnegative(key), key.argsort(stable=True))
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 500), S=st.integers(1, 6), C=st.integers(1, 20),
+       kind=st.sampled_from(["uniform", "narrow", "zeros", "subnormal", "duplicates"]))
+def test_count_below_picked_equals_searchsorted(seed, n, S, C, kind):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        tau = torch.rand(S, C, generator=gen) * 2 - 1
+    elif kind == "narrow":
+        tau = 0.3 + (torch.rand(S, C, generator=gen) - 0.5) * 1e-6
+    elif kind == "zeros":  # +0.0 and -0.0 among the thresholds and the values
+        tau = torch.tensor([-0.0, 0.0, -1e-30, 1e-30, 0.5])[torch.randint(0, 5, (S, C), generator=gen)]
+    elif kind == "subnormal":
+        tau = torch.tensor([1e-45, -1e-45, 1e-40, -1e-39, 0.0])[torch.randint(0, 5, (S, C), generator=gen)]
+    else:
+        tau = torch.tensor([-0.25, 0.0, 0.75])[torch.randint(0, 3, (S, C), generator=gen)]
+    tau = tau.sort(1).values
+    seg = torch.randint(0, S, (n,), generator=gen)
+    # values: the thresholds themselves (ties), their neighbours one ulp away, zeros of both signs, any
+    at = tau.reshape(-1)[torch.randint(0, S * C, (n,), generator=gen)]
+    pool = torch.stack([at, torch.nextafter(at, torch.tensor(2.0)), torch.nextafter(at, torch.tensor(-2.0)),
+                        torch.full_like(at, -0.0), torch.full_like(at, 0.0), torch.rand(n, generator=gen) * 2 - 1,
+                        torch.full_like(at, fast_gsc._EXCLUDED)], 1) if n else torch.zeros(0, 7)
+    vals = pool[torch.arange(n), torch.randint(0, 7, (n,), generator=gen)] if n else torch.zeros(0)
+    want = torch.searchsorted(tau.index_select(0, seg), vals[:, None]).squeeze(1)
+    assert torch.equal(fast_gsc._count_below_picked(vals, seg, tau), want)
+    # a transposed (non-contiguous) threshold table, as the search passes give it
+    assert torch.equal(fast_gsc._count_below_picked(vals, seg, tau.t().contiguous().t()), want)
+
+
+def test_count_below_picked_nan_thresholds_fall_back():
+    tau = torch.tensor([[0.0, 0.5, float("nan")]])
+    vals = torch.tensor([0.25, 0.75, -1.0])
+    seg = torch.zeros(3, dtype=torch.long)
+    want = torch.searchsorted(tau.index_select(0, seg), vals[:, None]).squeeze(1)
+    assert torch.equal(fast_gsc._count_below_picked(vals, seg, tau), want)
