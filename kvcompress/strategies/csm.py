@@ -31,6 +31,7 @@ from ..types import KVState
 from ..validation import check_choice, check_int, check_range, require
 from .chunkers import FixedSizeChunker
 from .partitions import PARTITIONS, ab_indices
+from .scratch import scratch
 from .segments import build_segments
 
 # r_j * n is rounded up, and a product like 0.3 * 10 lands a hair above 3 in floating point.
@@ -99,10 +100,14 @@ def match_edges(keys: Tensor, chunk_ids: Tensor, valid: Tensor, partition: str =
         b_flat = torch.where(b_ok, b_flat, b_flat[:, :1])
         # A and B rows in one gather (index_select: a plain row copy, faster than [idx]), unit
         # rows in place: F.normalize's numbers (the norm clamped at its eps), fewer buffers
-        ab = flat.index_select(0, torch.cat([a_flat.reshape(-1), b_flat.reshape(-1)]))
+        # (both into pooled buffers: neither leaves the call, and fresh ones cost their page faults
+        # every round of every layer)
+        picked = torch.cat([a_flat.reshape(-1), b_flat.reshape(-1)])
+        ab = torch.index_select(flat, 0, picked, out=scratch("csm.ab", (picked.numel(), D), flat.dtype, flat.device))
         ab.div_(torch.linalg.vector_norm(ab, dim=-1, keepdim=True).clamp_min_(_NORM_EPS))
         ka, kb = ab[: a_flat.numel()].view(S, -1, D), ab[a_flat.numel():].view(S, -1, D)
-        sim = torch.bmm(ka, kb.transpose(1, 2))  # [S, La, Lb]
+        sim = torch.bmm(ka, kb.transpose(1, 2), out=scratch("csm.sim", (S, ka.shape[1], kb.shape[1]), ab.dtype,
+                                                             ab.device))  # [S, La, Lb]
         best, arg = sim.max(-1)  # [S, La]; first maximum on ties
         pick = a_ok.flatten().nonzero().squeeze(1)
         a_sel = a_flat.flatten().index_select(0, pick)

@@ -32,6 +32,7 @@ from ..protocols import ClusterPlan
 from ..registry import register_clusterer
 from ..types import KVState
 from ..validation import check_int, check_range
+from .scratch import scratch
 from .segments import Bucket, SegmentLayout, build_segments
 
 TAU_NO_MERGE = 1.0001  # above any cosine (rounding included): nothing merges
@@ -92,33 +93,42 @@ class BucketSimilarity:
     rows(i0, i1) -> [i1 - i0, S, L]: cos(member i, member j) for i in [i0, i1), clamped to [-1, 1]
     (rounding can push the cosine of identical keys above 1, and "cos > 1" must never hold), and
     _EXCLUDED where j is not a real member later than i. Cached whole when S * L * L <= dense_limit.
+
+    pool: None (the keys, cosines and paired rows are this object's own tensors) or this bucket's
+    index in a call that drops its objects before it returns (``GreedySeedClustering``): they live
+    in pooled buffers (``scratch``) of that index, reused by the next layer's call.
     """
 
-    def __init__(self, kn: Tensor, bucket: Bucket, num_slots: int, dense_limit: int):
+    def __init__(self, kn: Tensor, bucket: Bucket, num_slots: int, dense_limit: int, pool: int | None = None):
         self.mask = bucket.mask
         S, L = self.mask.shape
-        self.keys = kn.index_select(0, bucket.flat_index(num_slots).view(-1)).view(S, L, -1)  # [S, L, D]
+        self._pool = pool
+        index = bucket.flat_index(num_slots).view(-1)
+        self.keys = torch.index_select(kn, 0, index, out=self._own("keys", (S * L, kn.shape[1]), kn.dtype)).view(S, L, -1)
         self.words = _word_layout(L)
         self.dense = self._compute(0, L) if S * L * L <= dense_limit else None
         self.row_block = L if self.dense is not None else max(1, dense_limit // max(1, S * L))
         self._paired = None  # [L/2, S, L] rows i and L-1-i in one (see _absorbed_dense)
         self._bit = self._col = self._word_row = None
         self._cols_for = -1
-        # buffers reused by the search passes of this bucket: a fresh multi-MB tensor per op
-        # costs its page faults again each time (as much as the arithmetic at these sizes)
-        self._scratch: dict[str, Tensor] = {}
 
     def buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> Tensor:
-        """An uninitialised scratch tensor, the same one for every call with this name and
-        shape (its content is valid until the next call that asks for it)."""
-        buf = self._scratch.get(name)
-        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
-            buf = torch.empty(shape, dtype=dtype, device=self.mask.device)
-            self._scratch[name] = buf
-        return buf
+        """An uninitialised scratch tensor, the same storage for every call with this name, in this
+        bucket, the other buckets and the next layers (``scratch``: pooled per thread; its content
+        is valid until the next call that asks for it)."""
+        return scratch("gsc." + name, shape, dtype, self.mask.device)
+
+    def _own(self, name: str, shape: tuple, dtype: torch.dtype) -> Tensor:
+        """A tensor this object keeps: pooled under its bucket index, or fresh."""
+        if self._pool is None:
+            return torch.empty(shape, dtype=dtype, device=self.mask.device)
+        return scratch(f"gsc.{name}.{self._pool}", shape, dtype, self.mask.device)
 
     def _compute(self, i0: int, i1: int) -> Tensor:
-        sims = torch.matmul(self.keys[:, i0:i1], self.keys.transpose(1, 2))  # [S, b, L]
+        whole = i0 == 0 and i1 == self.mask.shape[1]  # the dense block, kept: in this object's storage
+        out = self._own("dense", (self.keys.shape[0], i1 - i0, self.mask.shape[1]),
+                        self.keys.dtype) if whole else None
+        sims = torch.matmul(self.keys[:, i0:i1], self.keys.transpose(1, 2), out=out)  # [S, b, L]
         # [b, S, L] as a strided view, not a copy: every consumer is elementwise (or copies
         # what it keeps into its own layout), and the copy cost as much as the product
         sims = sims.clamp_(-1.0, 1.0).transpose(0, 1)  # [b, S, L]
@@ -168,7 +178,7 @@ class BucketSimilarity:
         P = L // 2
         if self._paired is None:
             # written contiguous: the search passes read it C times each
-            paired = torch.empty(P, S, L, dtype=self.dense.dtype, device=device)
+            paired = self._own("paired", (P, S, L), self.dense.dtype)
             self._paired = torch.maximum(self.dense[:P], self.dense[P:].flip((0, 2)), out=paired)  # [P, S, L]
             k = torch.arange(L, device=device)
             lower = k < k[:P, None]  # [P, L]: entry (i, k) belongs to row L-1-i
@@ -326,17 +336,20 @@ def bucket_parents(sims: BucketSimilarity, seeds: Tensor, tau: Tensor) -> Tensor
     seed_of = torch.arange(L, device=seeds.device).expand(S, L).clone()
     found = torch.zeros(S, L, dtype=torch.bool, device=seeds.device)
     seed_rows = seeds.t()  # [L, S]
-    thr = tau[None, :, None]
+    # a row that is no seed absorbs nothing: its threshold is +inf (no cosine is above it), so
+    # one comparison gives "seed i absorbs j" without a second pass for the seed mask
+    thr = torch.where(seed_rows, tau[None, :], float("inf"))[:, :, None]  # [L, S, 1]
     step = sims.block(S * L)
     for i0 in range(0, L - 1, step):
         i1 = min(i0 + step, L - 1)
         b = i1 - i0
-        hit = (sims.rows(i0, i1) > thr) & seed_rows[i0:i1, :, None]  # [b, S, L]
+        hit = torch.gt(sims.rows(i0, i1), thr[i0:i1], out=sims.buffer("parents.hit", (b, S, L), torch.bool))
         # the first hit row weighs most: one max over rows (vectorised along the members) gives
         # both whether any seed of the block absorbs j and which one comes first (an argmax
         # over the outer dim is several times slower)
         rank = torch.arange(b, 0, -1, dtype=_rank_dtype(b), device=seeds.device)[:, None, None]
-        top = (hit * rank).amax(0)  # [S, L]: b - (first hit row), 0 where none
+        weighted = torch.mul(hit, rank, out=sims.buffer("parents.rank", (b, S, L), rank.dtype))
+        top = weighted.amax(0)  # [S, L]: b - (first hit row), 0 where none
         first = (i1 - top.long()).clamp_(max=L - 1)  # first seed row of this block absorbing j
         new = (top > 0) & ~found
         seed_of = torch.where(new, first, seed_of)
@@ -408,9 +421,11 @@ class GreedySeedClustering:
         B, H, N, D = state.keys.shape
         R = B * H
         valid = state.valid.reshape(R, N)
-        kn = F.normalize(state.keys.float(), dim=-1).reshape(R * N, D)
+        # (F.normalize's numbers, into a pooled buffer: only the buckets' gathers read it)
+        keys = state.keys.float()
+        kn = F.normalize(keys, dim=-1, out=scratch("gsc.kn", tuple(keys.shape), keys.dtype, keys.device)).reshape(R * N, D)
         layout = build_segments(torch.where(valid, chunk_ids.reshape(R, N), -1), min_length=2)
-        sims = [BucketSimilarity(kn, b, N, self.dense_limit) for b in layout.buckets]
+        sims = [BucketSimilarity(kn, b, N, self.dense_limit, pool=i) for i, b in enumerate(layout.buckets)]
         valid_count = valid.sum(1)  # [R]
         target_rows = target.reshape(R).to(kn.device)
 

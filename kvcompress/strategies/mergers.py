@@ -16,11 +16,21 @@ from torch import Tensor
 from ..registry import register_merger
 from ..types import NEG_INF, KVState
 from ..validation import check_choice, require
+from .scratch import scratch
 
 
 def _flat_rows(x: Tensor) -> Tensor:
     """[B, H, N, *E] -> [B * H * N, prod(E)] (also when N == 0)."""
     return x.reshape(x.shape[0] * x.shape[1] * x.shape[2], math.prod(x.shape[3:]))
+
+
+def _gathered(x: Tensor, index: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+    """``x.index_select(0, index).to(dtype)`` into the pooled buffer ``name`` (``scratch``): for the
+    merges' intermediates, which never leave the call (a fresh [Q, D] tensor per merge costs its
+    page faults, as much as the arithmetic)."""
+    if x.dtype != dtype:
+        return x.index_select(0, index).to(dtype)
+    return torch.index_select(x, 0, index, out=scratch(name, (index.numel(), x.shape[1]), dtype, x.device))
 
 
 def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") -> KVState:
@@ -85,8 +95,8 @@ def apply_merge_plan(state: KVState, parent: Tensor, weighting: str = "size") ->
         if mem_src.numel() == 0:
             return out.view(B, H, M, *x.shape[3:])
         acc = out.to(torch.promote_types(x.dtype, torch.float32))  # the same tensor for float32
-        delta = flat.index_select(0, mem_src).to(acc.dtype)  # [Q, E], a fresh tensor: updated in place
-        delta.sub_(acc.index_select(0, mem_out))  # no third [Q, E] buffer (its page faults cost as much as the math)
+        delta = _gathered(flat, mem_src, acc.dtype, "merge.delta")  # [Q, E], updated in place
+        delta.sub_(_gathered(acc, mem_out, acc.dtype, "merge.rep"))
         acc.index_add_(0, mem_out, delta.mul_(member_share))
         return acc.to(x.dtype).view(B, H, M, *x.shape[3:])
 
@@ -189,9 +199,9 @@ def merge_in_place(state: KVState, parent: Tensor, weighting: str = "size") -> K
             member_share = (ones / sum_w.index_select(0, mem_local))[:, None]
         for x in (keys, values):
             flat = x.view(R * N, -1)
-            acc = flat.index_select(0, targets).to(torch.promote_types(x.dtype, torch.float32))  # [U, E]
-            delta = flat.index_select(0, mem_src).to(acc.dtype)
-            delta.sub_(acc.index_select(0, mem_local))
+            acc = _gathered(flat, targets, torch.promote_types(x.dtype, torch.float32), "merge.acc")  # [U, E]
+            delta = _gathered(flat, mem_src, acc.dtype, "merge.delta")
+            delta.sub_(_gathered(acc, mem_local, acc.dtype, "merge.rep"))
             acc.index_add_(0, mem_local, delta.mul_(member_share))
             flat.index_copy_(0, targets, acc.to(x.dtype))
         log_sizes.index_copy_(0, targets, total.log())

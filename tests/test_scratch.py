@@ -1,0 +1,54 @@
+"""The scratch pool: one buffer per name reused, per thread, per inference mode, bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvcompress.strategies import scratch as sc
+
+
+def test_same_name_reuses_the_storage_and_grows():
+    sc.clear()
+    a = sc.scratch("t.a", (4, 8), torch.float32, "cpu")
+    b = sc.scratch("t.a", (2, 8), torch.float32, "cpu")
+    assert a.data_ptr() == b.data_ptr() and tuple(b.shape) == (2, 8) and b.is_contiguous()
+    c = sc.scratch("t.a", (16, 8), torch.float32, "cpu")  # larger: a new buffer, then reused
+    assert tuple(c.shape) == (16, 8) and sc.scratch("t.a", (3, 3), torch.float32, "cpu").data_ptr() == c.data_ptr()
+    assert sc.scratch("t.b", (4, 8), torch.float32, "cpu").data_ptr() != c.data_ptr()
+    assert sc.scratch("t.a", (4, 8), torch.int64, "cpu").data_ptr() != c.data_ptr()  # per dtype
+    sc.clear()
+    assert sc.pooled_bytes() == 0
+
+
+def test_inference_mode_has_its_own_buffers():
+    sc.clear()
+    with torch.inference_mode():
+        inside = sc.scratch("t.c", (8,), torch.float32, "cpu")
+        assert inside.is_inference()
+    outside = sc.scratch("t.c", (8,), torch.float32, "cpu")
+    assert not outside.is_inference()
+    outside.fill_(1.0)  # writable outside inference mode
+    sc.clear()
+
+
+def test_threads_do_not_share():
+    sc.clear()
+    mine = sc.scratch("t.d", (8,), torch.float32, "cpu").data_ptr()
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(sc.scratch("t.d", (8,), torch.float32, "cpu").data_ptr()))
+    t.start(), t.join()
+    assert seen[0] != mine
+    sc.clear()
+
+
+def test_bounded(monkeypatch):
+    sc.clear()
+    monkeypatch.setattr(sc, "POOL_TOTAL", 1000)
+    a = sc.scratch("t.e", (100,), torch.float32, "cpu")  # 400 bytes: pooled
+    b = sc.scratch("t.f", (200,), torch.float32, "cpu")  # would hold 1200: fresh
+    assert sc.pooled_bytes() == 400 and sc.scratch("t.f", (200,), torch.float32, "cpu").data_ptr() != b.data_ptr()
+    monkeypatch.setattr(sc, "POOL_LIMIT", 100)
+    assert sc.scratch("t.e", (50,), torch.float32, "cpu").data_ptr() != a.data_ptr()  # over the per-buffer limit
+    sc.clear()
