@@ -9,7 +9,8 @@ import torch
 from kvcompress.strategies import scratch as sc
 
 
-def test_same_name_reuses_the_storage_and_grows():
+def test_same_name_reuses_the_storage_and_grows(monkeypatch):
+    monkeypatch.setattr(sc, "POOL_MIN", 0)
     sc.clear()
     a = sc.scratch("t.a", (4, 8), torch.float32, "cpu")
     b = sc.scratch("t.a", (2, 8), torch.float32, "cpu")
@@ -22,7 +23,8 @@ def test_same_name_reuses_the_storage_and_grows():
     assert sc.pooled_bytes() == 0
 
 
-def test_inference_mode_has_its_own_buffers():
+def test_inference_mode_has_its_own_buffers(monkeypatch):
+    monkeypatch.setattr(sc, "POOL_MIN", 0)
     sc.clear()
     with torch.inference_mode():
         inside = sc.scratch("t.c", (8,), torch.float32, "cpu")
@@ -33,7 +35,8 @@ def test_inference_mode_has_its_own_buffers():
     sc.clear()
 
 
-def test_threads_do_not_share():
+def test_threads_do_not_share(monkeypatch):
+    monkeypatch.setattr(sc, "POOL_MIN", 0)
     sc.clear()
     mine = sc.scratch("t.d", (8,), torch.float32, "cpu").data_ptr()
     seen = []
@@ -44,6 +47,7 @@ def test_threads_do_not_share():
 
 
 def test_bounded(monkeypatch):
+    monkeypatch.setattr(sc, "POOL_MIN", 0)
     sc.clear()
     monkeypatch.setattr(sc, "POOL_TOTAL", 1000)
     a = sc.scratch("t.e", (100,), torch.float32, "cpu")  # 400 bytes: pooled
@@ -51,4 +55,13 @@ def test_bounded(monkeypatch):
     assert sc.pooled_bytes() == 400 and sc.scratch("t.f", (200,), torch.float32, "cpu").data_ptr() != b.data_ptr()
     monkeypatch.setattr(sc, "POOL_LIMIT", 100)
     assert sc.scratch("t.e", (50,), torch.float32, "cpu").data_ptr() != a.data_ptr()  # over the per-buffer limit
+    sc.clear()
+
+
+def test_small_and_non_cpu_requests_are_not_pooled():
+    sc.clear()
+    a = sc.scratch("t.g", (4,), torch.float32, "cpu")  # under POOL_MIN
+    assert sc.pooled_bytes() == 0 and tuple(a.shape) == (4,)
+    big = sc.scratch("t.g", (sc.POOL_MIN // 4,), torch.float32, torch.device("cpu"))
+    assert sc.pooled_bytes() == sc.POOL_MIN and big.numel() == sc.POOL_MIN // 4
     sc.clear()

@@ -5,8 +5,8 @@ zeroing) cost about as much as the arithmetic of the memory-bound ops that fill 
 op per layer. Intermediates that never leave a call (similarity blocks, bitset words, gathered
 rows) take a pooled buffer instead: one per name, grown to the largest size asked, per thread (two
 threads compressing at once never share one), separately inside and outside inference mode (an
-inference tensor cannot be written outside it). Only CPU tensors up to ``POOL_LIMIT`` bytes are
-pooled, and a thread's pool holds at most ``POOL_TOTAL`` bytes (SmolLM2 at 8k: ~70 MB for GSC, CSM
+inference tensor cannot be written outside it). Only CPU tensors of ``POOL_MIN`` to ``POOL_LIMIT`` bytes
+are pooled, and a thread's pool holds at most ``POOL_TOTAL`` bytes (SmolLM2 at 8k: ~70 MB for GSC, CSM
 and the merges together); anything else is a plain ``torch.empty`` (CUDA has its caching
 allocator). ``clear()`` hands the memory back.
 
@@ -22,6 +22,7 @@ import threading
 import torch
 from torch import Tensor
 
+POOL_MIN = 128 << 10  # bytes: smaller ones come from the heap without fresh pages (glibc's mmap threshold)
 POOL_LIMIT = 32 << 20  # bytes: larger buffers are not kept (a long prompt's blocks would stay resident)
 POOL_TOTAL = 256 << 20  # bytes a thread's pool may hold
 
@@ -30,10 +31,9 @@ _LOCAL = threading.local()
 
 def scratch(name: str, shape: tuple, dtype: torch.dtype, device) -> Tensor:
     """An uninitialised contiguous tensor of ``shape``, the pooled one for ``name`` when it fits."""
-    device = torch.device(device)
     numel = math.prod(shape)
-    size = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or size > POOL_LIMIT:
+    size = numel * dtype.itemsize
+    if not POOL_MIN <= size <= POOL_LIMIT or torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     pool = getattr(_LOCAL, "pool", None)
     if pool is None:
