@@ -6,7 +6,7 @@ op per layer. Intermediates that never leave a call (similarity blocks, bitset w
 rows) take a pooled buffer instead: one per name, grown to the largest size asked, per thread (two
 threads compressing at once never share one), separately inside and outside inference mode (an
 inference tensor cannot be written outside it). Only CPU tensors of ``POOL_MIN`` to ``POOL_LIMIT`` bytes
-are pooled, and a thread's pool holds at most ``POOL_TOTAL`` bytes (SmolLM2 at 8k: ~70 MB for GSC, CSM
+are pooled, and a thread's pool holds at most ``POOL_TOTAL`` bytes (SmolLM2 at 8k: 62 MB for GSC, CSM
 and the merges together); anything else is a plain ``torch.empty`` (CUDA has its caching
 allocator). ``clear()`` hands the memory back.
 
@@ -24,7 +24,7 @@ from torch import Tensor
 
 POOL_MIN = 128 << 10  # bytes: smaller ones come from the heap without fresh pages (glibc's mmap threshold)
 POOL_LIMIT = 32 << 20  # bytes: larger buffers are not kept (a long prompt's blocks would stay resident)
-POOL_TOTAL = 256 << 20  # bytes a thread's pool may hold
+POOL_TOTAL = 128 << 20  # bytes a thread's pool may hold
 
 _LOCAL = threading.local()
 
