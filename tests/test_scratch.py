@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from kvcompress.strategies import scratch as sc
@@ -65,3 +66,27 @@ def test_small_and_non_cpu_requests_are_not_pooled():
     big = sc.scratch("t.g", (sc.POOL_MIN // 4,), torch.float32, torch.device("cpu"))
     assert sc.pooled_bytes() == sc.POOL_MIN and big.numel() == sc.POOL_MIN // 4
     sc.clear()
+
+
+
+@pytest.mark.parametrize("preset", ["semanticache", "semanticache-safe"])  # per layer; at the forward's end
+def test_a_compressed_cache_holds_no_scratch_after_its_rounds(monkeypatch, preset):
+    """The scheduler hands the pool back when a round ends: the prefill's, decode re-compressions',
+    and ``compress()``'s; the rounds did use it (what was held when it was handed back)."""
+    from test_hf_utils import MERGING, make_cache, prompt_ids, tiny_model
+
+    monkeypatch.setattr(sc, "POOL_MIN", 0)
+    sc.clear()
+    held, clear = [], sc.clear
+    monkeypatch.setattr(sc, "clear", lambda: (held.append(sc.pooled_bytes()), clear()))
+    model = tiny_model(seed=41)
+    cache = make_cache(model, pipeline=preset, **{**MERGING, "recompress_every": 2})
+    ids = prompt_ids(42, 40)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8, pad_token_id=0,
+                       do_sample=False)
+    assert sc.pooled_bytes() == 0
+    assert max(held) > 0
+    after_generate = len(held)
+    cache.compress()
+    assert sc.pooled_bytes() == 0 and len(held) > after_generate

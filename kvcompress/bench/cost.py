@@ -79,6 +79,7 @@ def compression_seconds(config, states: Sequence[KVState], warmup: bool = True) 
     states: one KVState per layer (as a prefill leaves them)
     """
     from ..pipeline import Pipeline
+    from ..strategies import scratch
 
     states = with_inputs(states, config)
     with torch.inference_mode():
@@ -87,12 +88,15 @@ def compression_seconds(config, states: Sequence[KVState], warmup: bool = True) 
             pipe.prepare(states)
             pipe.compress(states[0], 0)
         pipe = Pipeline(config)  # fresh: no decision carried over from the warm-up
+        scratch.clear()  # nor pages: a round starts with an empty pool, as a cache's round does
         wall, cpu = time.perf_counter(), time.process_time()
         if pipe.needs_all_layers:
             pipe.prepare(states)
         for i, st in enumerate(states):
             pipe.compress(st, i)
-        return time.perf_counter() - wall, time.process_time() - cpu
+        seconds = time.perf_counter() - wall, time.process_time() - cpu
+    scratch.clear()
+    return seconds
 
 
 def reconstruction_seconds(model, tokenizer, states: Sequence[KVState], ids, **kwargs) -> float:

@@ -15,7 +15,10 @@
   for the others), all or nothing.
 
 The scheduler reads and installs layer states through the cache's public methods; it never
-touches the attention function.
+touches the attention function. A compression round (every layer of one forward, or one
+``compress()`` call) reuses the core's scratch buffers from layer to layer; when the round ends
+the scheduler hands them back (``scratch.clear()``), so a compressed cache holds no memory beyond
+its own slots.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..budget import target_slots
 from ..decode import FRONTIER_KEY, DecodeCompressor
 from ..pipeline import Pipeline
 from ..protocols import Needs
+from ..strategies import scratch
 from ..types import KVState
 
 
@@ -71,9 +75,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ per layer, after its attention
     def after_attention(self, cache, layer_idx: int, fresh: bool) -> None:
-        """Compress layer ``layer_idx`` now if its rule says so (or mark it for the forward's end)."""
+        """Compress layer ``layer_idx`` now if its rule says so (or mark it for the forward's end);
+        after the forward's last compressed layer, the round's scratch goes back."""
         if self.pipeline is None or not cache.enabled:
             return
+        try:
+            self._layer_rule(cache, layer_idx, fresh)
+        finally:
+            if layer_idx == cache.compressed_layer_ids()[-1] and scratch.pooled_bytes():
+                scratch.clear()
+
+    def _layer_rule(self, cache, layer_idx: int, fresh: bool) -> None:
         layer = cache.layers[layer_idx]
         if fresh:
             if self.defers_prefill(cache):
@@ -122,6 +134,7 @@ class Scheduler:
                 del state
                 cache._install(i, new_state, report)
                 done += 1
+        scratch.clear()
         seconds = time.perf_counter() - start
         for _ in range(done):
             cache._record_compression(seconds / done, prefill=True)
@@ -150,6 +163,7 @@ class Scheduler:
         for i, state in states.items():
             new_state, report = self.pipeline.compress(state, i, protect=slots_of(protect, state))
             done.append((i, with_frontier(new_state, self.pipeline.config.recent), report))
+        scratch.clear()
         for i, new_state, report in done:
             cache._install(i, new_state, report)
         seconds = time.perf_counter() - start
@@ -173,3 +187,4 @@ class Scheduler:
             new_state, report = self.decoder.compress(state, i, protect=slots_of(protect, state))
             cache._install(i, new_state, report)
             cache._record_compression(time.perf_counter() - start, prefill=False)
+        scratch.clear()

@@ -8,7 +8,10 @@ threads compressing at once never share one), separately inside and outside infe
 inference tensor cannot be written outside it). Only CPU tensors of ``POOL_MIN`` to ``POOL_LIMIT`` bytes
 are pooled, and a thread's pool holds at most ``POOL_TOTAL`` bytes (SmolLM2 at 8k: 62 MB for GSC, CSM
 and the merges together); anything else is a plain ``torch.empty`` (CUDA has its caching
-allocator). ``clear()`` hands the memory back.
+allocator). ``clear()`` hands the memory back: the transformers cache's scheduler calls it when a
+compression round (all layers of a forward, or ``compress()``) ends, so the reuse spans the
+layers of one round and nothing stays held after it; code driving ``Pipeline`` itself calls it
+when its round is done.
 
 The content of a buffer is valid until the next ``scratch`` call with the same name: a caller
 must be done with it (or have copied what it keeps) before asking again.
