@@ -226,19 +226,18 @@ def fit_clusters(
     row_out = torch.matmul(e.transpose(-1, -2), v32).div_(zc[..., None])
     separable = power == 1.0
     if separable:
-        # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i v_i and
-        # sum_i a_i k_i in one scatter of [a_i v_i | a_i k_i] rows (the products written straight into
-        # the halves of one buffer; one index walk for both; sum_i a_i = sum_r share_r)
+        # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
+        # and sum_i a_i v_i, one scatter each ([B*H*M, D] sums: keys then values; sum_i a_i = sum_r share_r)
         a = torch.einsum("bhnp,bhp->bhn", e, zc.reciprocal())[..., None]  # [B, H, N, 1]
-        width = D if key == "mean" else 2 * D
-        weighted = WORKSPACE.take("weighted", (B, H, N, width), dev)
-        torch.mul(v32, a, out=weighted[..., :D])
-        if key != "mean":
-            torch.mul(k32, a, out=weighted[..., D:])
-        sums = WORKSPACE.take("sums", (rows * M + 1, width), dev).zero_()
-        sums = sums.index_add_(0, flat, weighted.view(rows * N, width))[: rows * M].view(B, H, M, width)
-        sum_v = sums[..., :D]
-        sum_k = sums[..., D:] if key != "mean" else None
+        weighted = WORKSPACE.take("weighted", (B, H, N, D), dev)  # one buffer for a_i k_i, then a_i v_i
+
+        def attended_sum(x: Tensor, name: str) -> Tensor:  # [B, H, M, D]: sum_i a_i x_i per cluster
+            torch.mul(x, a, out=weighted)
+            out = WORKSPACE.take(name, (rows * M + 1, D), dev).zero_()
+            return out.index_add_(0, flat, weighted.view(rows * N, D))[: rows * M].view(B, H, M, D)
+
+        sum_v = attended_sum(v32, "sum_v")
+        sum_k = attended_sum(k32, "sum_k") if key != "mean" else None
     slot_keys = prior_keys.float()
     if key != "mean":
         fitted = sum_k.mul_(inv) if separable else member_mean(norm, k32)
