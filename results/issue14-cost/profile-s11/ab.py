@@ -57,6 +57,9 @@ for spec in sys.argv[4:]:
             FD.FittedMerger.fit_plan = orig
             ts[label].append(use["t"] / len(caps) * 1000)
             fl[label].append(use["f"] / len(caps))
+    if not reps:
+        print(f"{spec}: largest relative difference { {k: f'{v:.1e}' for k, v in worst.items()} }", flush=True)
+        continue
     print(f"{spec}: refit ms/layer new {statistics.median(ts['new']):.1f} old {statistics.median(ts['old']):.1f} "
           f"(ratio {statistics.median(ts['new']) / statistics.median(ts['old']):.3f}); faults/layer new "
           f"{statistics.median(fl['new']):.0f} old {statistics.median(fl['old']):.0f}; largest relative difference "
