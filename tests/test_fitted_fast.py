@@ -104,3 +104,51 @@ def test_word_wide_key_comparison_is_the_element_comparison(seed, D, dtype):
 
 def _int(dtype):
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty(0, dtype=dtype).element_size()]
+
+
+# session 11: the fit's multi-MB temporaries live in a per-thread workspace kept between calls (a fresh
+# tensor paid its page faults on every layer). The workspace must never change a result: whatever was
+# in it before, whichever shapes came before, in whichever thread, or when it is bypassed.
+
+def _fit_case(seed: int, N: int):
+    state, parent = _state(seed, 1, 2, N, 8, 2, 6, 3, 0.5, torch.float32, False, seed % 2 == 0)
+    m = FittedMerger(queries="prefill", refine_share=0.5)
+    return m, state, parent, ProportionalRounds()(state, parent)
+
+
+def _equal(a: KVState, b: KVState) -> None:
+    for name in ("keys", "values", "log_sizes", "counts"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_the_workspace_is_reused_and_never_changes_a_result(monkeypatch):
+    from kvcompress.strategies import fitting as FT
+    cases = [_fit_case(seed, N) for seed, N in ((0, 60), (1, 24), (2, 96), (3, 24))]
+    first = [m.refit(s, p, mg) for m, s, p, mg in cases]  # shapes growing and shrinking: buffers regrown, sliced
+    buf = FT.WORKSPACE.take("logits", (4, 5), torch.device("cpu"))
+    assert buf.data_ptr() == FT.WORKSPACE.take("logits", (2, 3), torch.device("cpu")).data_ptr()  # kept between calls
+    buf.fill_(float("nan"))  # stale content must not leak into the next fit
+    for case, want in zip(reversed(cases), reversed(first)):
+        _equal(case[0].refit(*case[1:]), want)
+    monkeypatch.setattr(FT, "WORKSPACE_LIMIT", 0)  # every buffer allocated per call instead
+    for case, want in zip(cases, first):
+        _equal(case[0].refit(*case[1:]), want)
+
+
+def test_the_workspace_is_per_thread():
+    import threading
+    cases = [_fit_case(seed, 48 + 12 * seed) for seed in range(4)]
+    want = [m.refit(s, p, mg) for m, s, p, mg in cases]
+    got = [None] * len(cases)
+
+    def work(i):
+        for _ in range(3):
+            got[i] = cases[i][0].refit(*cases[i][1:])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(got, want):
+        _equal(a, b)
