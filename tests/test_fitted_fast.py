@@ -122,21 +122,25 @@ def _equal(a: KVState, b: KVState) -> None:
 
 
 def test_the_workspace_is_reused_and_never_changes_a_result(monkeypatch):
-    from kvcompress.strategies import fitting as FT
+    from kvcompress.strategies import scratch as sc
+    monkeypatch.setattr(sc, "POOL_MIN", 0)  # the tiny test tensors pooled too
+    sc.clear()
     cases = [_fit_case(seed, N) for seed, N in ((0, 60), (1, 24), (2, 96), (3, 24))]
     first = [m.refit(s, p, mg) for m, s, p, mg in cases]  # shapes growing and shrinking: buffers regrown, sliced
-    buf = FT.WORKSPACE.take("logits", (4, 5), torch.device("cpu"))
-    assert buf.data_ptr() == FT.WORKSPACE.take("logits", (2, 3), torch.device("cpu")).data_ptr()  # kept between calls
+    buf = sc.scratch("fit.logits", (4, 5), torch.float32, "cpu")
+    assert buf.data_ptr() == sc.scratch("fit.logits", (2, 3), torch.float32, "cpu").data_ptr()  # kept between calls
     buf.fill_(float("nan"))  # stale content must not leak into the next fit
     for case, want in zip(reversed(cases), reversed(first)):
         _equal(case[0].refit(*case[1:]), want)
-    monkeypatch.setattr(FT, "WORKSPACE_LIMIT", 0)  # every buffer allocated per call instead
+    monkeypatch.setattr(sc, "POOL_LIMIT", 0)  # every buffer allocated per call instead
     for case, want in zip(cases, first):
         _equal(case[0].refit(*case[1:]), want)
 
 
-def test_the_workspace_is_per_thread():
+def test_the_workspace_is_per_thread(monkeypatch):
     import threading
+    from kvcompress.strategies import scratch as sc
+    monkeypatch.setattr(sc, "POOL_MIN", 0)
     cases = [_fit_case(seed, 48 + 12 * seed) for seed in range(4)]
     want = [m.refit(s, p, mg) for m, s, p, mg in cases]
     got = [None] * len(cases)
@@ -152,3 +156,4 @@ def test_the_workspace_is_per_thread():
         t.join()
     for a, b in zip(got, want):
         _equal(a, b)
+    sc.clear()

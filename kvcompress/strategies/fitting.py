@@ -42,11 +42,12 @@ flat [rows, P] tensors with index_add / index_reduce over members: no loop per s
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from . import scratch as pool
 
 NEG_INF = float("-inf")
 
@@ -59,36 +60,11 @@ MAX_LOG_RATIO = 4.0
 TINY = 1e-30
 
 
-# the largest buffer a workspace keeps between calls (bytes): a fit's temporaries are a few to a few
-# tens of MB at 8k tokens; above this a buffer is allocated per call and freed (the faults are then
-# small beside the arithmetic over such tensors)
-WORKSPACE_LIMIT = 256 * 2**20
-
-
-class Workspace:
-    """Float32 scratch tensors kept between calls, one per name, thread and device (CPU only).
-
-    A fresh multi-MB tensor costs its page faults on first touch in every call (the allocator hands
-    big blocks back to the system): on the 8k SmolLM2 layers as much CPU time as the product that
-    fills it. A tensor from ``take`` is valid until the next ``take`` of the same name in the same
-    thread: callers use it within one function and never return it. Other devices allocate (their
-    caching allocators reuse blocks already)."""
-
-    def __init__(self):
-        self._local = threading.local()
-
-    def take(self, name: str, shape: tuple, device: torch.device) -> Tensor:
-        n = math.prod(shape)
-        if device.type != "cpu" or 4 * n > WORKSPACE_LIMIT:
-            return torch.empty(shape, device=device)
-        bufs = self._local.__dict__.setdefault("bufs", {})
-        buf = bufs.get(name)
-        if buf is None or buf.numel() < n:
-            buf = bufs[name] = torch.empty(n)
-        return buf[:n].view(shape)
-
-
-WORKSPACE = Workspace()
+def _buffer(name: str, shape: tuple, device: torch.device) -> Tensor:
+    """A float32 scratch tensor for one of the fit's multi-MB temporaries (``scratch``: reused
+    across the layers of a round instead of fresh pages each layer); valid until the next request
+    of ``name``, so none outlives the call that took it."""
+    return pool.scratch(f"fit.{name}", shape, torch.float32, device)
 
 
 @dataclass(frozen=True)
@@ -118,7 +94,7 @@ def _weights(share: Tensor, power: float, scratch: str | None = None) -> tuple[T
     returns norm [..., P] (sums to 1, or 0 where no query sees the slot), n_eff = (sum w)^2 / sum w^2
     (the effective number of queries, 0 if none), both invariant to the scale of w, and 1 / sum(w)
     ([..., 1], 0 where no query sees the slot; with power 1, w = share); with ``scratch``, norm is
-    a WORKSPACE tensor of that name (the caller's until its next use)
+    a scratch tensor of that name (the caller's until its next use)
     """
     w = share
     if power != 1.0:  # relative to the largest share first: a high power would underflow small shares
@@ -133,8 +109,8 @@ def _weights(share: Tensor, power: float, scratch: str | None = None) -> tuple[T
         norm = w * inv  # in [0, 1]: its squares cannot underflow as w's might
         square = norm * norm
     else:
-        norm = torch.mul(w, inv, out=WORKSPACE.take(scratch, w.shape, w.device))
-        square = torch.mul(norm, norm, out=WORKSPACE.take("square", w.shape, w.device))
+        norm = torch.mul(w, inv, out=_buffer(scratch, w.shape, w.device))
+        square = torch.mul(norm, norm, out=_buffer("square", w.shape, w.device))
     n_eff = torch.where(total[..., 0] > 0, square.sum(-1).clamp(min=TINY).reciprocal(), 0.0)
     return norm, n_eff, inv
 
@@ -190,9 +166,9 @@ def fit_clusters(
     # product (an inner dimension of D + 1, the bias riding along as one more key entry, ran the
     # product at half the speed of D on CPU); the queries transposed once, contiguous (a strided
     # right operand costs the matmul ~1.6x)
-    # (the multi-MB temporaries below are WORKSPACE tensors: none outlives this call)
+    # (the multi-MB temporaries below are scratch tensors: none outlives this call)
     q_t = _scaled_t(queries, scale)  # [B, H, D, P]
-    s = torch.matmul(k32, q_t, out=WORKSPACE.take("logits", (B, H, N, P), dev))
+    s = torch.matmul(k32, q_t, out=_buffer("logits", (B, H, N, P), dev))
     if bool(bias.ne(0).any()):  # a fresh prefill's slots have none: adding 0 changes no logit
         s.add_(bias.float()[..., None])
     # one shift per query row (its top logit): e = exp(s - top) in [0, 1] serves the rows' mass,
@@ -205,12 +181,12 @@ def fit_clusters(
 
     # flat cluster row of every slot; dropped slots and padding go to one dummy row at the end
     flat = torch.where(cluster >= 0, cluster + torch.arange(rows, device=dev).view(B, H, 1) * M, rows * M).reshape(-1)
-    mass = WORKSPACE.take("mass", (rows * M + 1, P), dev).zero_().index_add_(0, flat, e_flat)[: rows * M].view(B, H, M, P)
+    mass = _buffer("mass", (rows * M + 1, P), dev).zero_().index_add_(0, flat, e_flat)[: rows * M].view(B, H, M, P)
     # a query that does not see a cluster (mass below TINY of its row's top) weighs exactly 0
     # everywhere below, which is all the masking the fit needs
     torch.nn.functional.threshold_(mass, TINY, 0.0)
     zc = z.clamp(min=1.0)
-    share = torch.div(mass, zc[:, :, None], out=WORKSPACE.take("share", mass.shape, dev))  # m / Z, the cluster's share of the row (0 where unseen)
+    share = torch.div(mass, zc[:, :, None], out=_buffer("share", mass.shape, dev))  # m / Z, the cluster's share of the row (0 where unseen)
 
     def member_mean(coef: Tensor, x: Tensor) -> Tensor:
         """sum_i (sum_r coef[cl(i), r] p_ir) x_i per cluster, p_ir = e_ir / mass_r the member's
@@ -229,11 +205,11 @@ def fit_clusters(
         # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
         # and sum_i a_i v_i, one scatter each ([B*H*M, D] sums: keys then values; sum_i a_i = sum_r share_r)
         a = torch.einsum("bhnp,bhp->bhn", e, zc.reciprocal())[..., None]  # [B, H, N, 1]
-        weighted = WORKSPACE.take("weighted", (B, H, N, D), dev)  # one buffer for a_i k_i, then a_i v_i
+        weighted = _buffer("weighted", (B, H, N, D), dev)  # one buffer for a_i k_i, then a_i v_i
 
         def attended_sum(x: Tensor, name: str) -> Tensor:  # [B, H, M, D]: sum_i a_i x_i per cluster
             torch.mul(x, a, out=weighted)
-            out = WORKSPACE.take(name, (rows * M + 1, D), dev).zero_()
+            out = _buffer(name, (rows * M + 1, D), dev).zero_()
             return out.index_add_(0, flat, weighted.view(rows * N, D))[: rows * M].view(B, H, M, D)
 
         sum_v = attended_sum(v32, "sum_v")
@@ -246,14 +222,14 @@ def fit_clusters(
 
     # log m - q.k: the bias each query asks for (finite where unseen, where its weight is 0)
     logits = torch.matmul(slot_keys, q_t)  # [B, H, M, P], kept for the joint steps
-    y = log_mass_of(torch.clamp(mass, min=TINY, out=WORKSPACE.take("y", mass.shape, dev)), top, clamped=True).sub_(logits)
+    y = log_mass_of(torch.clamp(mass, min=TINY, out=_buffer("y", mass.shape, dev)), top, clamped=True).sub_(logits)
     beta_fit = torch.linalg.vecdot(norm, y)
     beta = torch.lerp(beta_fit, prior_bias.float(), alpha)
 
     # values: targets rho o_r + (1 - rho) O_r (rho = m / m' = exp(y - beta), clipped), query r
     # weighing (m'_r / Z_r) ** power = (share / rho) ** power
     rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp_()
-    fitted_share = torch.div(share, rho, out=WORKSPACE.take("fitted_share", share.shape, dev))  # m' / Z (0 where unseen)
+    fitted_share = torch.div(share, rho, out=_buffer("fitted_share", share.shape, dev))  # m' / Z (0 where unseen)
     norm2, n_eff2, inv2 = _weights(fitted_share, power, "norm2")
     alpha_v = _shrink(n_eff2, ridge)
     if separable:
@@ -303,7 +279,7 @@ def row_part(keys: Tensor, values: Tensor, bias: Tensor, queries: Tensor, scale:
     """keys, values: [B, H, M, D], bias: [B, H, M] (-inf: not part of it), queries: [B, H, P, D]."""
     B, H, M, _ = keys.shape
     s = torch.matmul(keys.float(), _scaled_t(queries, scale),
-                     out=WORKSPACE.take("logits", (B, H, M, queries.shape[2]), keys.device)).add_(bias.float()[..., None])
+                     out=_buffer("logits", (B, H, M, queries.shape[2]), keys.device)).add_(bias.float()[..., None])
     top = s.amax(dim=2)  # -inf where none of the slots is seen (mass and num 0 then)
     e = s.sub_(torch.where(top > NEG_INF, top, 0.0)[:, :, None]).exp_()  # [B, H, M, P]
     return RowPart(top=top, mass=e.sum(2), num=torch.matmul(e.transpose(-1, -2), values.float()))
@@ -350,7 +326,7 @@ def split_moving(keys: Tensor, values: Tensor, bias: Tensor, rest: RowPart, quer
     if logits is None:
         s = _logits(keys, bias, _scaled_t(queries, scale), None)  # [B, H, K, P]
     else:  # in the scratch: the slots' shares die here
-        s = torch.add(logits, bias[..., None], out=WORKSPACE.take("logits", logits.shape, logits.device))
+        s = torch.add(logits, bias[..., None], out=_buffer("logits", logits.shape, logits.device))
     top = torch.maximum(s.amax(dim=2), rest.top)
     top = torch.where(top > NEG_INF, top, 0.0)  # [B, H, P]
     e = s.sub_(top[:, :, None]).exp_()
