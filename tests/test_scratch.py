@@ -90,3 +90,14 @@ def test_a_compressed_cache_holds_no_scratch_after_its_rounds(monkeypatch, prese
     after_generate = len(held)
     cache.compress()
     assert sc.pooled_bytes() == 0 and len(held) > after_generate
+
+
+def test_a_round_hands_the_pool_back_even_when_it_raises(monkeypatch):
+    monkeypatch.setattr(sc, "POOL_MIN", 0)
+    sc.clear()
+    with pytest.raises(RuntimeError):
+        with sc.compression_round():
+            sc.scratch("t.g", (64,), torch.float32, "cpu")
+            assert sc.pooled_bytes() == 256
+            raise RuntimeError("a layer failed")
+    assert sc.pooled_bytes() == 0

@@ -89,14 +89,13 @@ def compression_seconds(config, states: Sequence[KVState], warmup: bool = True) 
             pipe.compress(states[0], 0)
         pipe = Pipeline(config)  # fresh: no decision carried over from the warm-up
         scratch.clear()  # nor pages: a round starts with an empty pool, as a cache's round does
-        wall, cpu = time.perf_counter(), time.process_time()
-        if pipe.needs_all_layers:
-            pipe.prepare(states)
-        for i, st in enumerate(states):
-            pipe.compress(st, i)
-        seconds = time.perf_counter() - wall, time.process_time() - cpu
-    scratch.clear()
-    return seconds
+        with scratch.compression_round():
+            wall, cpu = time.perf_counter(), time.process_time()
+            if pipe.needs_all_layers:
+                pipe.prepare(states)
+            for i, st in enumerate(states):
+                pipe.compress(st, i)
+            return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def reconstruction_seconds(model, tokenizer, states: Sequence[KVState], ids, **kwargs) -> float:

@@ -17,7 +17,7 @@
 The scheduler reads and installs layer states through the cache's public methods; it never
 touches the attention function. A compression round (every layer of one forward, or one
 ``compress()`` call) reuses the core's scratch buffers from layer to layer; when the round ends
-the scheduler hands them back (``scratch.clear()``), so a compressed cache holds no memory beyond
+the scheduler hands them back (``scratch.compression_round``), so a compressed cache holds no memory beyond
 its own slots.
 """
 
@@ -82,7 +82,8 @@ class Scheduler:
         try:
             self._layer_rule(cache, layer_idx, fresh)
         finally:
-            if layer_idx == cache.compressed_layer_ids()[-1] and scratch.pooled_bytes():
+            ids = cache.compressed_layer_ids()
+            if ids and layer_idx == ids[-1] and scratch.pooled_bytes():
                 scratch.clear()
 
     def _layer_rule(self, cache, layer_idx: int, fresh: bool) -> None:
@@ -127,14 +128,14 @@ class Scheduler:
         done = 0
         # layer by layer, each installed at once so that only one layer holds two copies; on an
         # error the forward's snapshot puts every layer back (the cache undoes the whole chunk)
-        for i in layer_ids:
-            state = states.pop(i)
-            if self.decoder.should_compress(state, i, slack=0):
-                new_state, report = self.decoder.compress(state, i)
-                del state
-                cache._install(i, new_state, report)
-                done += 1
-        scratch.clear()
+        with scratch.compression_round():
+            for i in layer_ids:
+                state = states.pop(i)
+                if self.decoder.should_compress(state, i, slack=0):
+                    new_state, report = self.decoder.compress(state, i)
+                    del state
+                    cache._install(i, new_state, report)
+                    done += 1
         seconds = time.perf_counter() - start
         for _ in range(done):
             cache._record_compression(seconds / done, prefill=True)
@@ -160,10 +161,10 @@ class Scheduler:
             return
         self.pipeline.prepare(list(states.values()))
         done = []
-        for i, state in states.items():
-            new_state, report = self.pipeline.compress(state, i, protect=slots_of(protect, state))
-            done.append((i, with_frontier(new_state, self.pipeline.config.recent), report))
-        scratch.clear()
+        with scratch.compression_round():
+            for i, state in states.items():
+                new_state, report = self.pipeline.compress(state, i, protect=slots_of(protect, state))
+                done.append((i, with_frontier(new_state, self.pipeline.config.recent), report))
         for i, new_state, report in done:
             cache._install(i, new_state, report)
         seconds = time.perf_counter() - start
@@ -179,12 +180,12 @@ class Scheduler:
         if fresh:
             cache._run_prefill_hooks()
             self.compress_prefill(cache, fresh, protect)
-        for i in cache.compressed_layer_ids():
-            if i in fresh:
-                continue
-            start = time.perf_counter()
-            state = cache.layer_state(i)
-            new_state, report = self.decoder.compress(state, i, protect=slots_of(protect, state))
-            cache._install(i, new_state, report)
-            cache._record_compression(time.perf_counter() - start, prefill=False)
-        scratch.clear()
+        with scratch.compression_round():
+            for i in cache.compressed_layer_ids():
+                if i in fresh:
+                    continue
+                start = time.perf_counter()
+                state = cache.layer_state(i)
+                new_state, report = self.decoder.compress(state, i, protect=slots_of(protect, state))
+                cache._install(i, new_state, report)
+                cache._record_compression(time.perf_counter() - start, prefill=False)

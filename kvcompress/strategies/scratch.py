@@ -8,10 +8,10 @@ threads compressing at once never share one), separately inside and outside infe
 inference tensor cannot be written outside it). Only CPU tensors of ``POOL_MIN`` to ``POOL_LIMIT`` bytes
 are pooled, and a thread's pool holds at most ``POOL_TOTAL`` bytes (SmolLM2 at 8k: 62 MB for GSC, CSM
 and the merges together); anything else is a plain ``torch.empty`` (CUDA has its caching
-allocator). ``clear()`` hands the memory back: the transformers cache's scheduler calls it when a
-compression round (all layers of a forward, or ``compress()``) ends, so the reuse spans the
-layers of one round and nothing stays held after it; code driving ``Pipeline`` itself calls it
-when its round is done.
+allocator). ``clear()`` hands the memory back, and ``with compression_round():`` around a round of
+layers (the transformers cache's scheduler, the vLLM compaction, the cost bench) hands it back when
+the round ends, an error included: the reuse spans the layers of one round and nothing stays held
+after it. Code driving ``Pipeline`` itself does the same.
 
 The content of a buffer is valid until the next ``scratch`` call with the same name: a caller
 must be done with it (or have copied what it keeps) before asking again.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -59,3 +60,12 @@ def pooled_bytes() -> int:
 def clear() -> None:
     """Drop this thread's pooled buffers (tests; a process done compressing)."""
     _LOCAL.pool = {}
+
+
+@contextmanager
+def compression_round():
+    """The pool is this thread's for the block's layers and handed back when it ends (or raises)."""
+    try:
+        yield
+    finally:
+        clear()

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..pipeline import Pipeline
+from ..strategies import scratch
 from ..types import NEG_INF, KVState
 from ..validation import require
 
@@ -106,9 +107,10 @@ def compress_prompt(pipeline: Pipeline, layers: list[PagedLayer], slots: Tensor,
     """
     P = int(slots.numel())
     states = read_states(layers, slots, token_ids, vocab, queries, reference)
-    if pipeline.needs_all_layers:
-        pipeline.prepare(states)
-    results = [pipeline.compress(state, layer_idx)[0] for layer_idx, state in enumerate(states)]
+    with scratch.compression_round():  # the core's CPU scratch buffers, handed back after the layers
+        if pipeline.needs_all_layers:
+            pipeline.prepare(states)
+        results = [pipeline.compress(state, layer_idx)[0] for layer_idx, state in enumerate(states)]
     limit = P if max_slots is None else max_slots
     written, trimmed = [], 0
     for new in results:
