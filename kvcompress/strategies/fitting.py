@@ -87,14 +87,14 @@ class FitResult:
     logits: Tensor
 
 
-def _weights(share: Tensor, power: float, scratch: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _weights(share: Tensor, power: float, into: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-slot query weights share ** power, normalised over the queries.
 
     share: [..., P] >= 0, exactly 0 for the queries that do not see the slot (weight 0)
     returns norm [..., P] (sums to 1, or 0 where no query sees the slot), n_eff = (sum w)^2 / sum w^2
     (the effective number of queries, 0 if none), both invariant to the scale of w, and 1 / sum(w)
-    ([..., 1], 0 where no query sees the slot; with power 1, w = share); with ``scratch``, norm is
-    a scratch tensor of that name (the caller's until its next use)
+    ([..., 1], 0 where no query sees the slot; with power 1, w = share); with ``into``, norm is
+    the scratch tensor of that name (the caller's until its next use)
     """
     w = share
     if power != 1.0:  # relative to the largest share first: a high power would underflow small shares
@@ -105,11 +105,11 @@ def _weights(share: Tensor, power: float, scratch: str | None = None) -> tuple[T
     # (share / rho, rho up to e**MAX_LOG_RATIO) legitimately lies below TINY; float32's smallest
     # normal keeps the reciprocal finite
     inv = torch.where(total > 0, total.clamp(min=torch.finfo(total.dtype).tiny).reciprocal(), 0.0)
-    if scratch is None:
+    if into is None:
         norm = w * inv  # in [0, 1]: its squares cannot underflow as w's might
         square = norm * norm
     else:
-        norm = torch.mul(w, inv, out=_buffer(scratch, w.shape, w.device))
+        norm = torch.mul(w, inv, out=_buffer(into, w.shape, w.device))
         square = torch.mul(norm, norm, out=_buffer("square", w.shape, w.device))
     n_eff = torch.where(total[..., 0] > 0, square.sum(-1).clamp(min=TINY).reciprocal(), 0.0)
     return norm, n_eff, inv
