@@ -255,12 +255,20 @@ class FittedMerger:
             if self.refine_share < 1.0:
                 moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share,
                                             logits=res.logits)
-                take = moving[..., None].expand(-1, -1, -1, D)
+                # whole rows of the flat views (index_select / index_copy_, not gather / scatter
+                # through expanded indices); keys and values are the fit's own fresh tensors
+                T = moving.shape[-1]
+                take = _flat_index(moving, K)
+
+                def rows_of(x: Tensor) -> Tensor:
+                    return x.reshape(rows * K, -1).index_select(0, take).view(B, H, T, -1)
+
                 moved_k, moved_v = refine_jointly(
-                    keys.gather(2, take), values.gather(2, take), bias.gather(2, moving), rest, queries, res.targets,
-                    scale=scale, steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype,
-                    logits=res.logits.gather(2, moving[..., None].expand(-1, -1, -1, res.logits.shape[-1])))
-                keys, values = keys.scatter(2, take, moved_k), values.scatter(2, take, moved_v)
+                    rows_of(keys), rows_of(values), bias.reshape(-1).index_select(0, take).view(B, H, T), rest,
+                    queries, res.targets, scale=scale, steps=self.refine, step=self.refine_step,
+                    dtype=merged.keys.dtype, logits=rows_of(res.logits))
+                keys.view(rows * K, D).index_copy_(0, take, moved_k.reshape(-1, D))
+                values.view(rows * K, D).index_copy_(0, take, moved_v.reshape(-1, D))
             else:
                 keys, values = refine_jointly(keys, values, bias, rest, queries, res.targets, scale=scale,
                                               steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype,
@@ -317,8 +325,17 @@ def _differs_from(keys: Tensor, other: Tensor) -> Tensor:
     pairs = (index != torch.arange(index.numel(), device=index.device)).nonzero().squeeze(1)
     differs = torch.zeros(B * H * N, dtype=torch.bool, device=keys.device)
     if pairs.numel():
-        unequal = bits.index_select(0, pairs) != bits.index_select(0, index.index_select(0, pairs))
-        differs[pairs] = _as_words(unequal).ne(0).any(-1)
+        other_rows = index.index_select(0, pairs)
+        # the first word settles most pairs (real keys of different tokens differ in their first
+        # entries): only pairs equal there gather whole rows, instead of every pair's two rows
+        first = bits[:, 0]
+        unsettled = first.index_select(0, pairs) == first.index_select(0, other_rows)
+        differs[pairs] = ~unsettled
+        if bits.shape[1] > 1 and bool(unsettled.any()):
+            tied = unsettled.nonzero().squeeze(1)
+            pairs, other_rows = pairs.index_select(0, tied), other_rows.index_select(0, tied)
+            unequal = bits.index_select(0, pairs) != bits.index_select(0, other_rows)
+            differs[pairs] = _as_words(unequal).ne(0).any(-1)
     return differs.view(B, H, N)
 
 

@@ -335,7 +335,11 @@ def split_moving(keys: Tensor, values: Tensor, bias: Tensor, rest: RowPart, quer
     inv = (e.sum(2) + rest_mass).clamp(min=TINY).reciprocal_()  # [B, H, P]
     attention = torch.matmul(e, inv[..., None])[..., 0]  # [B, H, K]: sum_r a_jr
     moving = attention.topk(T, dim=-1, sorted=False).indices  # [B, H, T]
-    e.scatter_(2, moving[..., None].expand(-1, -1, -1, e.shape[-1]), 0.0)  # the slots that stay
+    # the slots that stay: the moving ones' rows zeroed (whole rows of the flat view, not a
+    # scatter of single entries through an expanded index)
+    B, H = moving.shape[:2]
+    rows = (torch.arange(B * H, device=moving.device).view(B, H, 1) * K + moving).reshape(-1)
+    e.view(B * H * K, -1).index_fill_(0, rows, 0.0)
     part = RowPart(top=top, mass=rest_mass.add_(e.sum(2)),
                    num=torch.matmul(e.transpose(-1, -2), values).add_(rest.num * shift[..., None]))
     return moving, part
