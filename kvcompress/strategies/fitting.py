@@ -60,6 +60,25 @@ MAX_LOG_RATIO = 4.0
 TINY = 1e-30
 
 
+# slots per block of the blocked maximum over slots (``_max_over_slots``)
+MAX_BLOCK = 128
+
+
+def _max_over_slots(s: Tensor) -> Tensor:
+    """s.amax(dim=2, keepdim=True) for s [B, H, N, P], exactly (a maximum does not depend on the
+    order): over blocks of MAX_BLOCK slots first, then over the blocks. On CPU the one-step
+    reduction over a long strided dimension ran ~3x slower at N = 8192, P = 192 (its running row
+    of P maxima against rows far apart); the blocked one reads each block's rows together."""
+    B, H, N, P = s.shape
+    whole = N - N % MAX_BLOCK
+    if whole < 4 * MAX_BLOCK:  # short: the plain reduction is as fast
+        return s.amax(dim=2, keepdim=True)
+    top = s[:, :, :whole].view(B, H, whole // MAX_BLOCK, MAX_BLOCK, P).amax(3).amax(2, keepdim=True)
+    if whole < N:
+        top = torch.maximum(top, s[:, :, whole:].amax(dim=2, keepdim=True))
+    return top
+
+
 def _buffer(name: str, shape: tuple, device: torch.device) -> Tensor:
     """A float32 scratch tensor for one of the fit's multi-MB temporaries (``scratch``: reused
     across the layers of a round instead of fresh pages each layer); valid until the next request
@@ -173,7 +192,7 @@ def fit_clusters(
         s.add_(bias.float()[..., None])
     # one shift per query row (its top logit): e = exp(s - top) in [0, 1] serves the rows' mass,
     # their output and every cluster's mass; a cluster below TINY of the top is unseen by that query
-    top = s.amax(dim=2, keepdim=True)  # [B, H, 1, P]
+    top = _max_over_slots(s)  # [B, H, 1, P]
     top = torch.where(top > NEG_INF, top, 0.0)  # a row of padding only
     e = s.sub_(top).exp_()  # [B, H, N, P], 0 for padding
     z = e.sum(2)  # [B, H, P], >= 1 (0: a row of padding only)
