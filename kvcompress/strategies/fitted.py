@@ -220,8 +220,10 @@ class FittedMerger:
         # empty rows: no members, never read); index copies in and out, no [B, H, M, D] gathers
         fit_rows, at, K, rank = _compaction(fit)
 
+        fit_gather = _gather_plan(fit_rows, at, rows * K)
+
         def compact(x: Tensor, shape: tuple) -> Tensor:
-            return _compact(x, fit_rows, at, rows * K).view(shape)
+            return _compact(x, fit_gather).view(shape)
 
         sub = torch.where(fit, rank, -1)
         prior_k, prior_v = compact(merged.keys, (B, H, K, D)), compact(merged.values, (B, H, K, D))
@@ -243,8 +245,10 @@ class FittedMerger:
             stay_rows, stay_at, S, _ = _compaction(~fit)
             S = max(S, 1)
 
+            stay_plan = _gather_plan(stay_rows, stay_at, rows * S)
+
             def stay(x: Tensor, fill: float = 0.0) -> Tensor:
-                return _compact(x, stay_rows, stay_at, rows * S, fill).view(B, H, S, *x.shape[3:])
+                return _compact(x, stay_plan, fill).view(B, H, S, *x.shape[3:])
 
             rest = row_part(stay(merged.keys), stay(merged.values), stay(merged.log_sizes.float(), NEG_INF),
                             queries, scale)
@@ -255,12 +259,20 @@ class FittedMerger:
             if self.refine_share < 1.0:
                 moving, rest = split_moving(keys, values, bias, rest, queries, scale=scale, share=self.refine_share,
                                             logits=res.logits)
-                take = moving[..., None].expand(-1, -1, -1, D)
+                # whole rows of the flat views (index_select / index_copy_, not gather / scatter
+                # through expanded indices); keys and values are the fit's own fresh tensors
+                T = moving.shape[-1]
+                take = _flat_index(moving, K)
+
+                def rows_of(x: Tensor) -> Tensor:
+                    return x.reshape(rows * K, -1).index_select(0, take).view(B, H, T, -1)
+
                 moved_k, moved_v = refine_jointly(
-                    keys.gather(2, take), values.gather(2, take), bias.gather(2, moving), rest, queries, res.targets,
-                    scale=scale, steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype,
-                    logits=res.logits.gather(2, moving[..., None].expand(-1, -1, -1, res.logits.shape[-1])))
-                keys, values = keys.scatter(2, take, moved_k), values.scatter(2, take, moved_v)
+                    rows_of(keys), rows_of(values), bias.reshape(-1).index_select(0, take).view(B, H, T), rest,
+                    queries, res.targets, scale=scale, steps=self.refine, step=self.refine_step,
+                    dtype=merged.keys.dtype, logits=rows_of(res.logits))
+                keys.view(rows * K, D).index_copy_(0, take, moved_k.reshape(-1, D))
+                values.view(rows * K, D).index_copy_(0, take, moved_v.reshape(-1, D))
             else:
                 keys, values = refine_jointly(keys, values, bias, rest, queries, res.targets, scale=scale,
                                               steps=self.refine, step=self.refine_step, dtype=merged.keys.dtype,
@@ -282,11 +294,22 @@ def _compaction(mask: Tensor) -> tuple[Tensor, Tensor, int, Tensor]:
     return rows, at, K, rank
 
 
-def _compact(x: Tensor, rows: Tensor, at: Tensor, size: int, fill: float = 0.0) -> Tensor:
-    """The rows ``rows`` of x [B, H, M, ...] (flat) copied to rows ``at`` of a [size, ...] tensor
-    filled with ``fill`` elsewhere (``_compaction``'s renumbering)."""
+def _gather_plan(rows: Tensor, at: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """``_compaction``'s renumbering as one gather: the source row in [B * H * M] of each of the
+    ``size`` compact rows (row 0 for a padding row) and the padding rows (filled after the gather)."""
+    src = torch.zeros(size, dtype=torch.long, device=rows.device).index_copy_(0, at, rows)
+    pad = torch.ones(size, dtype=torch.bool, device=rows.device).index_fill_(0, at, False)
+    return src, pad.nonzero().squeeze(1)
+
+
+def _compact(x: Tensor, plan: tuple[Tensor, Tensor], fill: float = 0.0) -> Tensor:
+    """The rows of x [B, H, M, ...] (flat) renumbered by ``plan`` (``_gather_plan``): one gather of
+    whole rows (no filled tensor written first, no gathered temporary copied in), ``fill`` in the
+    padding rows. Requires M >= 1."""
     flat = x.reshape(-1, x.shape[-1]) if x.dim() == 4 else x.reshape(-1)
-    return flat.new_full((size, *flat.shape[1:]), fill).index_copy_(0, at, flat.index_select(0, rows))
+    src, pad = plan
+    out = flat.index_select(0, src)
+    return out.index_fill_(0, pad, fill) if pad.numel() else out
 
 
 def _flat_index(index: Tensor, width: int) -> Tensor:
@@ -317,8 +340,17 @@ def _differs_from(keys: Tensor, other: Tensor) -> Tensor:
     pairs = (index != torch.arange(index.numel(), device=index.device)).nonzero().squeeze(1)
     differs = torch.zeros(B * H * N, dtype=torch.bool, device=keys.device)
     if pairs.numel():
-        unequal = bits.index_select(0, pairs) != bits.index_select(0, index.index_select(0, pairs))
-        differs[pairs] = _as_words(unequal).ne(0).any(-1)
+        other_rows = index.index_select(0, pairs)
+        # the first word settles most pairs (real keys of different tokens differ in their first
+        # entries): only pairs equal there gather whole rows, instead of every pair's two rows
+        first = bits[:, 0]
+        unsettled = first.index_select(0, pairs) == first.index_select(0, other_rows)
+        differs[pairs] = ~unsettled
+        if bits.shape[1] > 1 and bool(unsettled.any()):
+            tied = unsettled.nonzero().squeeze(1)
+            pairs, other_rows = pairs.index_select(0, tied), other_rows.index_select(0, tied)
+            unequal = bits.index_select(0, pairs) != bits.index_select(0, other_rows)
+            differs[pairs] = _as_words(unequal).ne(0).any(-1)
     return differs.view(B, H, N)
 
 
