@@ -38,7 +38,9 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
 - ``kvzip-copy-heads-fitted``: kvzip-copy-heads with the fitted merger, D2O's similarity test in the
   plan, and a share of the allowance for the sentences the window queries attend to;
 - ``kvzip-copy-heads-banded``: kvzip-copy-heads-fitted with each token's importance taken relative
-  to its reconstruction chunk (``BAND``), so the distance the pass copied it from does not rank it.
+  to its reconstruction chunk (``BAND``), so the distance the pass copied it from does not rank it,
+  and its allowances sized at keep ``ALLOWANCE_KEEP`` at most (a larger budget's extra slots go to
+  SnapKV's window choice).
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -70,6 +72,9 @@ FIT_MERGER = {"queries": "window", "reference_queries": 32, "key": "attention", 
 SCORER = {"name": "reconstruction"}
 # kvzip-copy-heads-banded: each token's importance relative to the tokens the pass copied from the same distance
 BAND = RECONSTRUCTION_CHUNK
+# ... and its allowances sized at keep 0.25 at most: the facts targets' budget; above it the extra slots go to
+# SnapKV's window choice (PG 4k keep 0.5, window s1: KL 0.0159 -> 0.0047; dev pydoc: results/issue18-s14)
+ALLOWANCE_KEEP = 0.25
 
 
 def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
@@ -215,11 +220,13 @@ def kvzip_copy_heads_banded() -> PipelineConfig:
     reconstruction chunk (guard ``band``): the pass copies a chunk's tokens from one distance, the
     context's first chunk from the farthest, and on 4k tokens that distance alone lowers the early
     chunks' scores several times (dev, results/issue18-dev7); the sentences are then ranked within
-    the distance they were copied from."""
+    the distance they were copied from. The allowances are sized at keep ``ALLOWANCE_KEEP`` at most
+    (guard ``allowance_keep``): a larger budget's extra slots go to SnapKV's window choice."""
     base = kvzip_copy_heads_fitted()
     (guard,) = base.guards
     return base.replace(name="kvzip-copy-heads-banded",
-                        guards=(StrategySpec(guard.name, {**guard.params, "band": BAND}),))
+                        guards=(StrategySpec(guard.name, {**guard.params, "band": BAND,
+                                                          "allowance_keep": ALLOWANCE_KEEP}),))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..budget import target_slots
 from ..protocols import Needs
 from ..registry import register_guard, register_scorer
 from ..types import KVState
@@ -202,6 +203,13 @@ class ImportanceGuard:
             times lower for that reason alone (dev, results/issue18-dev7), and sentences are then
             ranked by where they are rather than by what they say. With ``band`` equal to the
             pass's chunk each token is compared with the tokens copied from its own distance
+    allowance_keep: None: the allowances above are shares of the room the budget leaves. A keep
+            ratio k: they are shares of the room a budget of k of the tokens seen would leave, at
+            most the budget's own: above keep k the extra slots go to the clusterer's choice
+            (SnapKV's window in the D2O presets) and to the adaptive heads' cap, not to more
+            sentences or more reconstruction-ranked tokens. The importance signal finds the facts
+            a small cache must hold; once they fit, what the continuation needs next is read
+            better from the window queries (dev, results/issue18-s14)
     ends:   characters that end a sentence
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
@@ -215,8 +223,12 @@ class ImportanceGuard:
     def __init__(self, share: float = 0.5, reduce: str = "mean", token_share: float = 0.0,
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
                  copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
-                 query_heads: float = 1.0, band: int = 0, ends: Sequence[str] = SENTENCE_ENDS):
+                 query_heads: float = 1.0, band: int = 0, allowance_keep: float | None = None,
+                 ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
+        if allowance_keep is not None:
+            check_range("allowance_keep", allowance_keep, 0.0, 1.0, lo_open=True)
+        self.allowance_keep = None if allowance_keep is None else float(allowance_keep)
         check_range("copy_heads", copy_heads, 0.0, 1.0, lo_open=True)
         self.copy_heads = float(copy_heads)
         check_range("query_share", query_share, 0.0, 1.0)
@@ -257,7 +269,8 @@ class ImportanceGuard:
         return (f"ImportanceGuard(share={self.share}, reduce={self.reduce!r}, token_share={self.token_share}, "
                 f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
                 f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
-                f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band})")
+                f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band}, "
+                f"allowance_keep={self.allowance_keep})")
 
     @property
     def needs(self) -> Needs:
@@ -297,7 +310,13 @@ class ImportanceGuard:
             # + a hair so that the lowest-ranked candidate still counts as a candidate (score > 0)
             score = ranks01(score, eligible) + self.surprisal * ranks01(surprise, eligible) + 1e-6 * eligible
         # the allowance is what the budget leaves after the slots protected anyway (sinks, recent)
-        room = (budget.to(ids.device) - (~free.bool()).sum(-1)).clamp(min=0)
+        protected = (~free.bool()).sum(-1)
+        full_room = (budget.to(ids.device) - protected).clamp(min=0)
+        room = full_room
+        if self.allowance_keep is not None:
+            capped = torch.minimum(budget.to(ids.device), target_slots(first.real_tokens().to(ids.device),
+                                                                       self.allowance_keep, None))
+            room = (capped - protected).clamp(min=0)
         allowance = torch.floor(room.to(torch.float64) * self.share).long()
         eligible = lengths > 0
         chosen = torch.zeros_like(eligible)
@@ -311,7 +330,7 @@ class ImportanceGuard:
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
         self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
-        self._cap = (room - allowance - self._window).clamp(min=0)  # what sentences and window leave
+        self._cap = (full_room - allowance - self._window).clamp(min=0)  # what sentences and window leave
         self._allowance = allowance
         self._other = (allowance + self._tokens if self.other_token_share is None
                        else torch.floor(room.to(torch.float64) * self.other_token_share).long())
