@@ -112,3 +112,58 @@ def test_count_below_picked_nan_thresholds_fall_back():
     seg = torch.zeros(3, dtype=torch.long)
     want = torch.searchsorted(tau.index_select(0, seg), vals[:, None]).squeeze(1)
     assert torch.equal(fast_gsc._count_below_picked(vals, seg, tau), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# h16 (session 14): D2O's search without a sort in ``_compact`` and with a row-gathered re-score,
+# against session 12's (tests/slow_reference/d2o_v3.py, verbatim), bit for bit.
+
+from kvcompress.strategies import d2o as fast_d2o  # noqa: E402
+from slow_reference import d2o_v3 as slow_d2o  # noqa: E402
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(1, 200),
+       p=st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+def test_compact_equals_the_stable_sort(seed, B, H, N, p):
+    mask = torch.rand(B, H, N, generator=torch.Generator().manual_seed(seed)) < p
+    order, ok = fast_d2o._compact(mask)
+    order0, ok0 = slow_d2o._compact(mask)
+    assert torch.equal(order, order0) and torch.equal(ok, ok0)
+
+
+def _d2o_case(seed, B, H, N, D, chunks, dup, uneven, common, p_keep):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, N, D, generator=gen) + common * torch.randn(B, H, 1, D, generator=gen)
+    if dup and N > 1:  # exact duplicates: receiving slots tie bit for bit (first slot wins)
+        keys[:, :, 1::3] = keys[:, :, 0:N - 1:3][:, :, : keys[:, :, 1::3].shape[2]]
+    chunk_ids = (torch.arange(N) * chunks // N).expand(B, H, N).clone()
+    chunk_ids[:, :, :2] = -1  # sinks outside every chunk
+    free = chunk_ids >= 0
+    keep = torch.rand(B, H, N, generator=gen) < p_keep
+    if uneven:  # one head keeps nothing, another evicts nothing
+        keep[0, H - 1] = False
+        keep[B - 1, 0] = True
+    return keys, free & ~keep, free & keep, chunk_ids
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(1, 260),
+       D=st.sampled_from([4, 8, 64]), chunks=st.sampled_from([1, 3]), dup=st.booleans(), uneven=st.booleans(),
+       common=st.sampled_from([0.0, 3.0, 30.0]), p_keep=st.sampled_from([0.1, 0.3, 0.6]),
+       coarse=st.sampled_from([True, False, None]), entries=st.sampled_from([64, 4096, 1 << 21]))
+def test_most_similar_kept_equals_session_12s(seed, B, H, N, D, chunks, dup, uneven, common, p_keep, coarse,
+                                              entries):
+    """Parents and float32 similarities bit for bit: one or several bfloat16 blocks (``entries``),
+    blocks falling back to float32 (common = 30: keys this alike give many candidates), chunk masks,
+    heads with no receiving or no evicted slot, exact ties."""
+    args = _d2o_case(seed, B, H, N, D, chunks, dup, uneven, common, p_keep)
+    old = fast_d2o._COARSE_ENTRIES
+    fast_d2o._COARSE_ENTRIES = entries  # block_rows (shared by both) reads it
+    try:
+        parent, best = fast_d2o.most_similar_kept(*args, coarse=coarse)
+        parent0, best0 = slow_d2o.most_similar_kept(*args, coarse=coarse)
+    finally:
+        fast_d2o._COARSE_ENTRIES = old
+    assert torch.equal(parent, parent0)
+    assert torch.equal(best.view(torch.int32), best0.view(torch.int32))

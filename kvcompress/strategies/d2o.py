@@ -54,7 +54,14 @@ def _compact(mask: Tensor) -> tuple[Tensor, Tensor]:
     K = the most True slots of any head (at least 1)."""
     count = mask.sum(-1)
     K = max(1, int(count.max()))
-    order = torch.sort((~mask).long(), dim=-1, stable=True).indices[..., :K]
+    # the stable sort of ~mask without sorting: the n-th slot's place is its rank among the True
+    # slots, or, for a False one, count + its rank among the False ones (n - trues up to n);
+    # the same permutation (the False slots trail in slot order, as the sort put them)
+    N = mask.shape[-1]
+    trues = mask.cumsum(-1)  # [B, H, N] inclusive
+    slot = torch.arange(N, device=mask.device)
+    dest = torch.where(mask, trues - 1, count[..., None] + slot - trues)
+    order = torch.empty_like(dest).scatter_(-1, dest, slot.expand_as(dest))[..., :K]
     return order, torch.arange(K, device=mask.device) < count[..., None]
 
 
@@ -155,6 +162,18 @@ def rescore(a_t: Tensor, a_at: Tensor, b_t: Tensor, b_at: Tensor) -> Tensor:
     return acc.float()
 
 
+def rescore_rows(a: Tensor, b: Tensor) -> Tensor:
+    """``rescore`` of the rows a[p], b[p]: [P] float32, for a, b [P, D] float32 (the rows gathered
+    first: two row copies instead of a transposed copy of every key and 2 D scattered takes). The
+    same terms in the same order, each rounded the same way: equal to ``rescore`` bit for bit."""
+    prod = a.t().double().mul_(b.t().double())  # [D, P]: each product exact in float64
+    acc = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+    for d in range(a.shape[1]):  # over the head dimension, not over tokens
+        acc.add_(prod[d])
+        acc.copy_(acc.float())
+    return acc.float()
+
+
 def _coarse_candidates(sims: Tensor, band: float, rows_ok: Tensor):
     """The candidates of every row of a masked bfloat16 block for the float32 maximum, or None when
     the block has too many (then the caller computes the block in float32).
@@ -227,8 +246,11 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
         pad = _COARSE_BLOCK - K % _COARSE_BLOCK
         order, k_ok = F.pad(order, (0, pad)), F.pad(k_ok, (0, pad))
         K += pad
-    k_keys = kn.gather(2, order[..., None].expand(B, H, K, D))
-    e_keys = kn.gather(2, e_order[..., None].expand(B, H, E, D))
+    # whole rows by index_select (a gather through an index expanded over D is several times slower)
+    base = torch.arange(B * H, device=device).view(B, H, 1) * N
+    kn_rows = kn.reshape(B * H * N, D)
+    k_keys = kn_rows.index_select(0, (base + order).view(-1)).view(B, H, K, D)
+    e_keys = kn_rows.index_select(0, (base + e_order).view(-1)).view(B, H, E, D)
     k_chunk = torch.where(k_ok, chunk_ids.gather(-1, order), -2)
     e_chunk = chunk_ids.gather(-1, e_order)
     big = torch.iinfo(torch.long).max
@@ -292,10 +314,9 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
             # the first candidate reaching it (``max(-1)``'s tie order)
             row, col = (torch.cat(t) for t in zip(*found))
             bh = row // E
-            kn_t = kn.transpose(-1, -2).contiguous()  # [B, H, D, N]: each term one gather
             slot_e = e_order.take(row)
             slot_k = order.take(bh * K + col)
-            val = rescore(kn_t, bh * D * N + slot_e, kn_t, bh * D * N + slot_k)
+            val = rescore_rows(kn_rows.index_select(0, bh * N + slot_e), kn_rows.index_select(0, bh * N + slot_k))
             e_best.view(-1).scatter_reduce_(0, row, val, "amax")
             win = val == e_best.view(-1)[row]
             e_parent.view(-1).scatter_reduce_(0, row[win], col[win], "amin", include_self=False)
