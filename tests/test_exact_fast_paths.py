@@ -167,3 +167,49 @@ def test_most_similar_kept_equals_session_12s(seed, B, H, N, D, chunks, dup, une
         fast_d2o._COARSE_ENTRIES = old
     assert torch.equal(parent, parent0)
     assert torch.equal(best.view(torch.int32), best0.view(torch.int32))
+
+
+def _same(x, y) -> bool:
+    """Equal bit for bit (NaN included), same dtype and shape."""
+    if x is None or y is None:
+        return x is y
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.dtype == torch.float32:
+        x, y = x.contiguous().view(torch.int32), y.contiguous().view(torch.int32)
+    return torch.equal(x, y)
+
+
+def _equal_states(a, b) -> bool:
+    fields = ("keys", "values", "log_sizes", "positions", "counts", "protected")
+    return all(_same(getattr(a, n), getattr(b, n)) for n in fields) and a.num_tokens == b.num_tokens and \
+        a.extras.keys() == b.extras.keys() and all(_same(a.extras[k], b.extras[k]) for k in a.extras)
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(1, 120),
+       D=st.sampled_from([4, 64]), threshold=st.sampled_from([None, 0.2, -1.0]), proportional=st.booleans(),
+       sliced=st.booleans(), prior=st.booleans(), counts=st.booleans(), dup=st.booleans())
+def test_d2o_merger_equals_session_12s(seed, B, H, N, D, threshold, proportional, sliced, prior, counts, dup):
+    """The merged state bit for bit (keys, values, sizes, counts, tau), from D2O's own plan; keys as
+    a slice of a longer buffer (a cache's view) or contiguous, with and without a previous tau."""
+    gen = torch.Generator().manual_seed(seed)
+    extra = 5 if sliced else 0
+    keys = torch.randn(B, H, N + extra, D, generator=gen)[:, :, :N]
+    if dup and N > 1:
+        keys[:, :, 1::2] = keys[:, :, 0:N - 1:2][:, :, : keys[:, :, 1::2].shape[2]]
+    st_ = kc.KVState.from_raw(keys, torch.randn(B, H, N + extra, D, generator=gen)[:, :, :N])
+    if counts:
+        st_ = st_.replace(counts=torch.randint(1, 4, (B, H, N), generator=gen).float())
+    if prior:
+        tau = torch.rand(B, H, generator=gen)
+        tau[0, 0] = float("nan")
+        st_ = st_.replace(extras={fast_d2o.TAU_KEY: tau})
+    chunk_ids = torch.zeros(B, H, N, dtype=torch.long)
+    keep = torch.rand(B, H, N, generator=gen) < 0.3
+    candidate, _ = fast_d2o.most_similar_kept(st_.keys, ~keep, keep, chunk_ids)
+    slot = torch.arange(N).expand(B, H, N)
+    plan = torch.where(keep, slot, candidate)
+    fast = fast_d2o.D2OMerger(threshold=threshold, proportional=proportional)
+    slow = slow_d2o.D2OMerger(threshold=threshold, proportional=proportional)
+    assert _equal_states(fast(st_, plan), slow(st_, plan))

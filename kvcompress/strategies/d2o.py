@@ -165,13 +165,18 @@ def rescore(a_t: Tensor, a_at: Tensor, b_t: Tensor, b_at: Tensor) -> Tensor:
 def rescore_rows(a: Tensor, b: Tensor) -> Tensor:
     """``rescore`` of the rows a[p], b[p]: [P] float32, for a, b [P, D] float32 (the rows gathered
     first: two row copies instead of a transposed copy of every key and 2 D scattered takes). The
-    same terms in the same order, each rounded the same way: equal to ``rescore`` bit for bit."""
-    prod = a.t().double().mul_(b.t().double())  # [D, P]: each product exact in float64
-    acc = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+    same terms in the same order, each rounded the same way: equal to ``rescore`` bit for bit.
+    Work buffers of P values reused across d (a fresh float64 term per d, or all D terms at once,
+    measured slower: allocation, and a [D, P] float64 product out of cache)."""
+    P = a.shape[0]
+    a_t, b_t = a.t().contiguous(), b.t().contiguous()  # [D, P]: term d of every pair contiguous
+    acc = torch.zeros(P, dtype=torch.float64, device=a.device)
+    x, y = torch.empty_like(acc), torch.empty_like(acc)
+    out = torch.zeros(P, dtype=torch.float32, device=a.device)  # (D = 0: the empty sum)
     for d in range(a.shape[1]):  # over the head dimension, not over tokens
-        acc.add_(prod[d])
-        acc.copy_(acc.float())
-    return acc.float()
+        acc.add_(x.copy_(a_t[d]).mul_(y.copy_(b_t[d])))  # the product exact in float64
+        acc.copy_(out.copy_(acc))  # the sum rounded to float32 after every term
+    return out
 
 
 def _coarse_candidates(sims: Tensor, band: float, rows_ok: Tensor):
@@ -400,7 +405,10 @@ class D2OMerger:
         is_rep = (parent == slot) & valid
         candidate = valid & (parent >= 0) & ~is_rep
         kn = F.normalize(state.keys.float(), dim=-1)
-        sim = (kn * kn.gather(2, safe[..., None].expand(B, H, N, D))).sum(-1)  # [B, H, N]
+        # the parents' rows by index_select (a gather through an index expanded over D is several times slower)
+        base = torch.arange(B * H, device=parent.device).view(B, H, 1) * N
+        k_parent = kn.reshape(B * H * N, D).index_select(0, (base + safe).view(-1)).view(B, H, N, D)
+        sim = (kn * k_parent).sum(-1)  # [B, H, N]
         tau = self.threshold_for(state, sim, candidate)
         merged = candidate & (sim >= tau[..., None])
         plan = torch.where(candidate & ~merged, -1, parent)

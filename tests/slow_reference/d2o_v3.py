@@ -1,8 +1,10 @@
 """Session 12's D2O search (kvcompress/strategies/d2o.py at main ffe1659), verbatim: ``_compact`` by a
 stable sort, the candidate scan, and ``most_similar_kept`` re-scoring through a transposed copy of every
-key and scattered takes. The reference of session 14's row-gathered re-score and sort-free compaction."""
+key and scattered takes; the D2O merger's __call__. The reference of session 14's row-gathered re-score and sort-free compaction."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,10 @@ from torch import Tensor
 
 from kvcompress.strategies.d2o import (_COARSE_BLOCK, _COARSE_CANDIDATES,
                                        block_rows, coarse_default, coarse_error_bound, rescore, row_max)
-from kvcompress.types import NEG_INF
+from kvcompress.strategies.d2o import TAU_KEY, D2OMerger as _FastD2OMerger
+from kvcompress.strategies.mergers import apply_merge_plan, is_identity_plan
+from kvcompress.types import NEG_INF, KVState
+from kvcompress.validation import require
 
 
 def _compact(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -174,3 +179,47 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
     parent = torch.full((B, H, N + 1), -1, dtype=torch.long, device=device).scatter_(-1, dest, e_parent)
     best = torch.full((B, H, N + 1), NEG_INF, dtype=torch.float32, device=device).scatter_(-1, dest, e_best)
     return parent[..., :N], best[..., :N]
+
+
+class D2OMerger(_FastD2OMerger):
+    """Session 12's merger: ``__call__`` verbatim (the parents' keys by a gather through an
+    index expanded over D)."""
+
+    def __call__(self, state: KVState, parent: Tensor) -> KVState:
+        B, H, N, D = state.keys.shape
+        require(tuple(parent.shape) == (B, H, N), "parent", tuple(parent.shape), f"shape {(B, H, N)}")
+        slot = torch.arange(N, device=parent.device)
+        valid = state.valid
+        safe = parent.clamp(min=0)
+        is_rep = (parent == slot) & valid
+        candidate = valid & (parent >= 0) & ~is_rep
+        kn = F.normalize(state.keys.float(), dim=-1)
+        sim = (kn * kn.gather(2, safe[..., None].expand(B, H, N, D))).sum(-1)  # [B, H, N]
+        tau = self.threshold_for(state, sim, candidate)
+        merged = candidate & (sim >= tau[..., None])
+        plan = torch.where(candidate & ~merged, -1, parent)
+        extras = {**state.extras, TAU_KEY: tau}
+        if is_identity_plan(state, plan):
+            return state.replace(extras=extras)
+
+        sizes = state.token_counts()
+        weight = torch.where(merged, sim.double().exp(), math.e)  # the kept slot: exp(cos(k, k)) = e
+        if self.proportional:
+            weight = weight * sizes.double()
+        log_w = torch.where(valid & (plan >= 0), weight.log().float(), NEG_INF)
+        # apply_merge_plan's size-weighted mean with the D2O weights in place of sizes ...
+        out = apply_merge_plan(state.replace(log_sizes=log_w, counts=None, extras=extras), plan)
+        # ... then the true sizes: summed over members (proportional) or the kept slot's own
+        kept = plan >= 0
+        contrib = torch.where(kept & (is_rep | self.proportional), sizes, 0.0)
+        out_index = is_rep.long().cumsum(-1) - 1
+        M = out.num_slots
+        dest = torch.where(kept, out_index.gather(-1, plan.clamp(min=0)), M)
+        total = torch.zeros(B, H, M + 1, dtype=torch.float32, device=sizes.device).scatter_add_(-1, dest, contrib)
+        members = torch.zeros_like(total).scatter_add_(-1, dest, kept.float())
+        rep_log = torch.full_like(total, NEG_INF).scatter_(-1, torch.where(is_rep, out_index, M), state.log_sizes)
+        # singletons keep their exact log-size; merged slots get log(sum)
+        log_sizes = torch.where(members > 1, total.clamp(min=1e-30).log(), rep_log)[..., :M]
+        log_sizes = log_sizes.masked_fill(~out.valid, NEG_INF)
+        counts = None if state.counts is None else total[..., :M].masked_fill(~out.valid, 0.0).contiguous()
+        return out.replace(log_sizes=log_sizes.contiguous(), counts=counts)
