@@ -43,13 +43,13 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.pairs = 0
-        real = d2o.rescore_rows
+        real = d2o.rescore
 
-        def spy(a, b):
-            self.pairs += a.shape[0]
-            return real(a, b)
+        def spy(a_t, a_at, b_t, b_at):
+            self.pairs += a_at.shape[0]
+            return real(a_t, a_at, b_t, b_at)
 
-        monkeypatch.setattr(d2o, "rescore_rows", spy)
+        monkeypatch.setattr(d2o, "rescore", spy)
 
 
 def _cos64(keys, p):
@@ -230,22 +230,6 @@ def test_rescore_is_a_float32_dot_product():
     blas = (a @ b.transpose(-1, -2))[0, h, i, j]
     assert got.dtype == torch.float32
     assert float((got - blas).abs().max()) <= 2 * 64 * 2.0 ** -24
-
-
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), P=st.integers(0, 300), D=st.sampled_from([1, 4, 64, 128]))
-def test_rescore_rows_is_rescore(seed, P, D):
-    """The row-gathered re-score (what the search calls) equals ``rescore`` bit for bit."""
-    gen = torch.Generator().manual_seed(seed)
-    a = F.normalize(torch.randn(2, 3, 40, D, generator=gen), dim=-1)
-    b = F.normalize(torch.randn(2, 3, 30, D, generator=gen), dim=-1)
-    m = torch.randint(0, 6, (P,), generator=gen)
-    i = torch.randint(0, 40, (P,), generator=gen)
-    j = torch.randint(0, 30, (P,), generator=gen)
-    ref = d2o.rescore(a.transpose(-1, -2).contiguous(), m * D * 40 + i, b.transpose(-1, -2).contiguous(),
-                      m * D * 30 + j)
-    got = d2o.rescore_rows(a.reshape(-1, D)[m * 40 + i], b.reshape(-1, D)[m * 30 + j])
-    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 
 def test_coarse_is_the_default_only_where_bfloat16_is_fast():

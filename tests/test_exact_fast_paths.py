@@ -115,7 +115,7 @@ def test_count_below_picked_nan_thresholds_fall_back():
 
 
 # ---------------------------------------------------------------------------------------------
-# h16 (session 14): D2O's search without a sort in ``_compact`` and with a row-gathered re-score,
+# h16 (session 14): D2O's search without a sort in ``_compact``, whole-row index_selects and a buffered re-score,
 # against session 12's (tests/slow_reference/d2o_v3.py, verbatim), bit for bit.
 
 from kvcompress.strategies import d2o as fast_d2o  # noqa: E402
@@ -213,3 +213,21 @@ def test_d2o_merger_equals_session_12s(seed, B, H, N, D, threshold, proportional
     fast = fast_d2o.D2OMerger(threshold=threshold, proportional=proportional)
     slow = slow_d2o.D2OMerger(threshold=threshold, proportional=proportional)
     assert _equal_states(fast(st_, plan), slow(st_, plan))
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), P=st.integers(0, 300), D=st.sampled_from([1, 4, 64, 128]),
+       R1=st.integers(1, 50), R2=st.integers(1, 50))
+def test_rescore_equals_session_12s(seed, P, D, R1, R2):
+    """The re-score on reused buffers equals the fresh-tensor loop bit for bit (and leaves its
+    index arguments untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    a_t = torch.nn.functional.normalize(torch.randn(2, 3, R1, D, generator=gen), dim=-1).transpose(-1, -2).contiguous()
+    b_t = torch.nn.functional.normalize(torch.randn(2, 3, R2, D, generator=gen), dim=-1).transpose(-1, -2).contiguous()
+    m = torch.randint(0, 6, (P,), generator=gen)
+    a_at = m * D * R1 + torch.randint(0, R1, (P,), generator=gen)
+    b_at = m * D * R2 + torch.randint(0, R2, (P,), generator=gen)
+    keep_a, keep_b = a_at.clone(), b_at.clone()
+    got = fast_d2o.rescore(a_t, a_at, b_t, b_at)
+    ref = slow_d2o.rescore(a_t, a_at, b_t, b_at)
+    assert _same(got, ref) and torch.equal(a_at, keep_a) and torch.equal(b_at, keep_b)

@@ -155,27 +155,21 @@ def rescore(a_t: Tensor, a_at: Tensor, b_t: Tensor, b_at: Tensor) -> Tensor:
     b_t, b_at: the same for the second rows."""
     D, R1, R2 = a_t.shape[-2], a_t.shape[-1], b_t.shape[-1]
     a_flat, b_flat = a_t.view(-1), b_t.view(-1)
-    acc = torch.zeros(a_at.shape[0], dtype=torch.float64, device=a_t.device)
-    for d in range(D):  # over the head dimension, not over tokens
-        acc.add_(a_flat.take(a_at + d * R1).double().mul_(b_flat.take(b_at + d * R2).double()))
-        acc.copy_(acc.float())
-    return acc.float()
-
-
-def rescore_rows(a: Tensor, b: Tensor) -> Tensor:
-    """``rescore`` of the rows a[p], b[p]: [P] float32, for a, b [P, D] float32 (the rows gathered
-    first: two row copies instead of a transposed copy of every key and 2 D scattered takes). The
-    same terms in the same order, each rounded the same way: equal to ``rescore`` bit for bit.
-    Work buffers of P values reused across d (a fresh float64 term per d, or all D terms at once,
-    measured slower: allocation, and a [D, P] float64 product out of cache)."""
-    P = a.shape[0]
-    a_t, b_t = a.t().contiguous(), b.t().contiguous()  # [D, P]: term d of every pair contiguous
-    acc = torch.zeros(P, dtype=torch.float64, device=a.device)
+    P = a_at.shape[0]
+    # work buffers of P values reused across d, the indices moved on in place (a fresh index, term
+    # and rounding per d cost ~1.4x: allocation, not arithmetic)
+    ia, ib = a_at.clone(), b_at.clone()
+    fa, fb = a_flat.new_empty(P), b_flat.new_empty(P)
+    acc = torch.zeros(P, dtype=torch.float64, device=a_t.device)
     x, y = torch.empty_like(acc), torch.empty_like(acc)
-    out = torch.zeros(P, dtype=torch.float32, device=a.device)  # (D = 0: the empty sum)
-    for d in range(a.shape[1]):  # over the head dimension, not over tokens
-        acc.add_(x.copy_(a_t[d]).mul_(y.copy_(b_t[d])))  # the product exact in float64
+    out = torch.zeros(P, dtype=torch.float32, device=a_t.device)
+    for d in range(D):  # over the head dimension, not over tokens
+        torch.index_select(a_flat, 0, ia, out=fa)
+        torch.index_select(b_flat, 0, ib, out=fb)
+        acc.add_(x.copy_(fa).mul_(y.copy_(fb)))  # the product exact in float64
         acc.copy_(out.copy_(acc))  # the sum rounded to float32 after every term
+        ia.add_(R1)
+        ib.add_(R2)
     return out
 
 
@@ -319,9 +313,11 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
             # the first candidate reaching it (``max(-1)``'s tie order)
             row, col = (torch.cat(t) for t in zip(*found))
             bh = row // E
+            kn_t = kn.transpose(-1, -2).contiguous()  # [B, H, D, N]: each term one gather
+            # (cheaper than gathering the candidate rows and transposing them: P is often > B H N)
             slot_e = e_order.take(row)
             slot_k = order.take(bh * K + col)
-            val = rescore_rows(kn_rows.index_select(0, bh * N + slot_e), kn_rows.index_select(0, bh * N + slot_k))
+            val = rescore(kn_t, bh * D * N + slot_e, kn_t, bh * D * N + slot_k)
             e_best.view(-1).scatter_reduce_(0, row, val, "amax")
             win = val == e_best.view(-1)[row]
             e_parent.view(-1).scatter_reduce_(0, row[win], col[win], "amin", include_self=False)
