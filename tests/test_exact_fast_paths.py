@@ -231,3 +231,42 @@ def test_rescore_equals_session_12s(seed, P, D, R1, R2):
     got = fast_d2o.rescore(a_t, a_at, b_t, b_at)
     ref = slow_d2o.rescore(a_t, a_at, b_t, b_at)
     assert _same(got, ref) and torch.equal(a_at, keep_a) and torch.equal(b_at, keep_b)
+
+
+def _rank_desc_v0(key, candidate):
+    """eviction.rank_desc at main ffe1659, verbatim: always a stable sort."""
+    _min = torch.finfo(torch.float32).min
+    k = key.float().nan_to_num(nan=_min, posinf=float("inf"), neginf=_min)
+    k = torch.where(candidate, k.clamp(min=_min), float("-inf"))
+    order = torch.sort(k, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return ranks
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(0, 150),
+       kind=st.sampled_from(["positions", "gaps", "ties", "random", "special", "big"]),
+       p=st.sampled_from([0.0, 0.5, 1.0]))
+def test_rank_desc_equals_the_sort(seed, B, H, N, kind, p):
+    """The counting path (keys increasing along the candidates) and the sort give the same ranks;
+    ties, NaN, infinities and long positions beyond float32's integers fall back to the sort."""
+    from kvcompress.strategies.eviction import rank_desc
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "positions":
+        key = torch.arange(N).expand(B, H, N)
+    elif kind == "gaps":
+        key = torch.randint(1, 4, (B, H, N), generator=gen).cumsum(-1)
+    elif kind == "ties":
+        key = torch.randint(0, 3, (B, H, N), generator=gen).cumsum(-1)
+    elif kind == "big":  # 2^24 + n: equal once rounded to float32
+        key = (1 << 24) + torch.arange(N).expand(B, H, N)
+    else:
+        key = torch.randn(B, H, N, generator=gen).sort(-1).values if seed % 2 else torch.randn(B, H, N, generator=gen)
+        if kind == "special" and N:
+            key = key.clone()
+            key.view(-1)[torch.randint(0, key.numel(), (3,), generator=gen)] = torch.tensor(
+                [float("nan"), float("inf"), float("-inf")])
+    candidate = torch.rand(B, H, N, generator=gen) < p
+    assert torch.equal(rank_desc(key, candidate), _rank_desc_v0(key, candidate))
