@@ -154,7 +154,8 @@ def _d2o_case(seed, B, H, N, D, chunks, dup, uneven, common, p_keep):
        coarse=st.sampled_from([True, False, None]), entries=st.sampled_from([64, 4096, 1 << 21]))
 def test_most_similar_kept_equals_session_12s(seed, B, H, N, D, chunks, dup, uneven, common, p_keep, coarse,
                                               entries):
-    """Parents and float32 similarities bit for bit: one or several bfloat16 blocks (``entries``),
+    """Parents and float32 similarities bit for bit (parents only: single candidates not re-scored),
+    one or several bfloat16 blocks (``entries``),
     blocks falling back to float32 (common = 30: keys this alike give many candidates), chunk masks,
     heads with no receiving or no evicted slot, exact ties."""
     args = _d2o_case(seed, B, H, N, D, chunks, dup, uneven, common, p_keep)
@@ -163,9 +164,10 @@ def test_most_similar_kept_equals_session_12s(seed, B, H, N, D, chunks, dup, une
     try:
         parent, best = fast_d2o.most_similar_kept(*args, coarse=coarse)
         parent0, best0 = slow_d2o.most_similar_kept(*args, coarse=coarse)
+        parent1, none = fast_d2o.most_similar_kept(*args, coarse=coarse, similarities=False)
     finally:
         fast_d2o._COARSE_ENTRIES = old
-    assert torch.equal(parent, parent0)
+    assert torch.equal(parent, parent0) and torch.equal(parent1, parent0) and none is None
     assert torch.equal(best.view(torch.int32), best0.view(torch.int32))
 
 

@@ -211,12 +211,16 @@ def _coarse_candidates(sims: Tensor, band: float, rows_ok: Tensor):
 
 
 def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_ids: Tensor,
-                      coarse: bool | None = None) -> tuple[Tensor, Tensor]:
+                      coarse: bool | None = None, similarities: bool = True) -> tuple[Tensor, Tensor | None]:
     """For every evicted slot, its most similar receiving slot of the same chunk (key cosine).
 
     keys: [B, H, N, D]; evicted, receiving: [B, H, N] bool; chunk_ids: [B, H, N] long
     coarse: search in bfloat16 first, then re-score the candidates in float32 (None: where
             ``coarse_available``, D <= 64 and B * H * E * K >= 2^23 similarities)
+    similarities: False when only the parents are wanted (D2O's clusterer: its merger computes
+            its own): then the similarity is None, and a coarse row with a single candidate takes
+            it without re-scoring it (it is the float32 search's parent: the argmax is among the
+            candidates); the parents are the same.
     returns (parent [B, H, N] long slot or -1, similarity [B, H, N] float32, -inf where none);
             ties go to the earlier slot. Memory: [B, H, block, K] similarities at a time.
 
@@ -312,6 +316,12 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
         if found:  # every candidate re-scored in float32; a row's value is their maximum, its column
             # the first candidate reaching it (``max(-1)``'s tie order)
             row, col = (torch.cat(t) for t in zip(*found))
+            if not similarities:  # a row's only candidate is its parent: no re-score (similarity 0, unused)
+                alone = torch.zeros(B * H * E, dtype=torch.long, device=device).index_add_(
+                    0, row, torch.ones_like(row)).index_select(0, row) == 1
+                e_best.view(-1).index_fill_(0, row[alone], 0.0)
+                e_parent.view(-1).index_copy_(0, row[alone], col[alone])
+                row, col = row[~alone], col[~alone]
             bh = row // E
             kn_t = kn.transpose(-1, -2).contiguous()  # [B, H, D, N]: each term one gather
             # (cheaper than gathering the candidate rows and transposing them: P is often > B H N)
@@ -323,10 +333,12 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
             e_parent.view(-1).scatter_reduce_(0, row[win], col[win], "amin", include_self=False)
     has = e_ok & (e_best > NEG_INF)
     e_parent = torch.where(has, order.gather(-1, e_parent.clamp(0, K - 1)), -1)
-    e_best = torch.where(has, e_best, NEG_INF)
-    # back to slot order; padding rows of heads with fewer evicted slots write into a trash column
-    dest = torch.where(e_ok, e_order, N)
+    dest = torch.where(e_ok, e_order, N)  # back to slot order; padding rows of heads with fewer
+    # evicted slots write into a trash column
     parent = torch.full((B, H, N + 1), -1, dtype=torch.long, device=device).scatter_(-1, dest, e_parent)
+    if not similarities:
+        return parent[..., :N], None
+    e_best = torch.where(has, e_best, NEG_INF)
     best = torch.full((B, H, N + 1), NEG_INF, dtype=torch.float32, device=device).scatter_(-1, dest, e_best)
     return parent[..., :N], best[..., :N]
 
@@ -347,7 +359,7 @@ class D2OClusterer(EvictClusterer):
     def __call__(self, state: KVState, chunk_ids: Tensor, target: Tensor, round_idx: int = 0) -> ClusterPlan:
         free, keep = self.kept_free(state, chunk_ids, target)
         evicted = free & ~keep
-        candidate, _ = most_similar_kept(state.keys, evicted, free & keep, chunk_ids)
+        candidate, _ = most_similar_kept(state.keys, evicted, free & keep, chunk_ids, similarities=False)
         slot = torch.arange(state.num_slots, device=chunk_ids.device).expand_as(chunk_ids)
         parent = torch.where(state.valid & ~evicted, slot, candidate)
         return ClusterPlan(parent, done=True)
