@@ -1,26 +1,34 @@
 """Session 14 (h16): D2O-family compression, this branch's d2o.py against session 12's search and merger
-(tests/slow_reference/d2o_v3.py, verbatim from main ffe1659), A/B interleaved in one process on one real
+(tests/slow_reference/d2o_v3.py, verbatim from main ffe1659) and main's eviction.rank_desc, A/B interleaved in one process on one real
 SmolLM2 8k snapshot (bench_cost's recorder prefill, saved by /tmp/h16/capture.py), 1 thread.
-    PYTHONPATH=$PWD:tests python benchmarks/results/ab_d2o_s14.py STATES.pt [REPS]"""
+    PYTHONPATH=$PWD:$PWD/tests python benchmarks/results/ab_d2o_s14.py STATES.pt [REPS] [OUT.json] [PRESETS,...]"""
 import json, os, statistics, sys, torch
 torch.set_num_threads(1)
 from kvcompress.bench import cost
 from kvcompress.presets import get_preset
 from kvcompress.strategies import d2o
+from kvcompress.strategies import eviction
 from slow_reference import d2o_v3
+from test_exact_fast_paths import _rank_desc_v0  # main's rank_desc, verbatim
 
-NEW = {"most_similar_kept": d2o.most_similar_kept, "call": d2o.D2OMerger.__call__}
-OLD = {"most_similar_kept": d2o_v3.most_similar_kept, "call": d2o_v3.D2OMerger.__call__}
+
+def old_search(*args, similarities=True, **kwargs):  # session 12's search has no ``similarities``
+    return d2o_v3.most_similar_kept(*args, **kwargs)
+
+
+NEW = {"most_similar_kept": d2o.most_similar_kept, "call": d2o.D2OMerger.__call__, "rank": eviction.rank_desc}
+OLD = {"most_similar_kept": old_search, "call": d2o_v3.D2OMerger.__call__, "rank": _rank_desc_v0}
 
 
 def use(impl):
     d2o.most_similar_kept = impl["most_similar_kept"]
     d2o.D2OMerger.__call__ = impl["call"]
+    eviction.rank_desc = impl["rank"]  # (importance.py imports it from eviction at each call)
 
 
 states = torch.load(sys.argv[1], weights_only=False)
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-names = ["d2o", "d2o-prop", "kvzip-d2o", "kvzip-d2o-median", "kvzip-d2o-tokens", "kvzip-copy-heads"]
+names = sys.argv[4].split(",") if len(sys.argv) > 4 else ["kvzip-copy-heads", "kvzip-d2o", "d2o", "d2o-prop", "kvzip-d2o-median", "kvzip-d2o-tokens"]
 out = {"load": [os.getloadavg()], "presets": {}}
 for name in names:
     cfg = get_preset(name, keep_ratio=0.25, on_infeasible="best_effort")
