@@ -112,3 +112,163 @@ def test_count_below_picked_nan_thresholds_fall_back():
     seg = torch.zeros(3, dtype=torch.long)
     want = torch.searchsorted(tau.index_select(0, seg), vals[:, None]).squeeze(1)
     assert torch.equal(fast_gsc._count_below_picked(vals, seg, tau), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# h16 (session 14): D2O's search without a sort in ``_compact``, whole-row index_selects and a buffered re-score,
+# against session 12's (tests/slow_reference/d2o_v3.py, verbatim), bit for bit.
+
+from kvcompress.strategies import d2o as fast_d2o  # noqa: E402
+from slow_reference import d2o_v3 as slow_d2o  # noqa: E402
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(1, 200),
+       p=st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+def test_compact_equals_the_stable_sort(seed, B, H, N, p):
+    mask = torch.rand(B, H, N, generator=torch.Generator().manual_seed(seed)) < p
+    order, ok = fast_d2o._compact(mask)
+    order0, ok0 = slow_d2o._compact(mask)
+    assert torch.equal(order, order0) and torch.equal(ok, ok0)
+
+
+def _d2o_case(seed, B, H, N, D, chunks, dup, uneven, common, p_keep):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, N, D, generator=gen) + common * torch.randn(B, H, 1, D, generator=gen)
+    if dup and N > 1:  # exact duplicates: receiving slots tie bit for bit (first slot wins)
+        keys[:, :, 1::3] = keys[:, :, 0:N - 1:3][:, :, : keys[:, :, 1::3].shape[2]]
+    chunk_ids = (torch.arange(N) * chunks // N).expand(B, H, N).clone()
+    chunk_ids[:, :, :2] = -1  # sinks outside every chunk
+    free = chunk_ids >= 0
+    keep = torch.rand(B, H, N, generator=gen) < p_keep
+    if uneven:  # one head keeps nothing, another evicts nothing
+        keep[0, H - 1] = False
+        keep[B - 1, 0] = True
+    return keys, free & ~keep, free & keep, chunk_ids
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(1, 260),
+       D=st.sampled_from([4, 8, 64]), chunks=st.sampled_from([1, 3]), dup=st.booleans(), uneven=st.booleans(),
+       common=st.sampled_from([0.0, 3.0, 30.0]), p_keep=st.sampled_from([0.1, 0.3, 0.6]),
+       coarse=st.sampled_from([True, False, None]), entries=st.sampled_from([64, 4096, 1 << 21]))
+def test_most_similar_kept_equals_session_12s(seed, B, H, N, D, chunks, dup, uneven, common, p_keep, coarse,
+                                              entries):
+    """Parents and float32 similarities bit for bit (parents only: single candidates not re-scored),
+    one or several bfloat16 blocks (``entries``),
+    blocks falling back to float32 (common = 30: keys this alike give many candidates), chunk masks,
+    heads with no receiving or no evicted slot, exact ties."""
+    args = _d2o_case(seed, B, H, N, D, chunks, dup, uneven, common, p_keep)
+    old = fast_d2o._COARSE_ENTRIES
+    fast_d2o._COARSE_ENTRIES = entries  # block_rows (shared by both) reads it
+    try:
+        parent, best = fast_d2o.most_similar_kept(*args, coarse=coarse)
+        parent0, best0 = slow_d2o.most_similar_kept(*args, coarse=coarse)
+        parent1, none = fast_d2o.most_similar_kept(*args, coarse=coarse, similarities=False)
+    finally:
+        fast_d2o._COARSE_ENTRIES = old
+    assert torch.equal(parent, parent0) and torch.equal(parent1, parent0) and none is None
+    assert torch.equal(best.view(torch.int32), best0.view(torch.int32))
+
+
+def _same(x, y) -> bool:
+    """Equal bit for bit (NaN included), same dtype and shape."""
+    if x is None or y is None:
+        return x is y
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.dtype == torch.float32:
+        x, y = x.contiguous().view(torch.int32), y.contiguous().view(torch.int32)
+    return torch.equal(x, y)
+
+
+def _equal_states(a, b) -> bool:
+    fields = ("keys", "values", "log_sizes", "positions", "counts", "protected")
+    return all(_same(getattr(a, n), getattr(b, n)) for n in fields) and a.num_tokens == b.num_tokens and \
+        a.extras.keys() == b.extras.keys() and all(_same(a.extras[k], b.extras[k]) for k in a.extras)
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(1, 120),
+       D=st.sampled_from([4, 64]), threshold=st.sampled_from([None, 0.2, -1.0]), proportional=st.booleans(),
+       sliced=st.booleans(), prior=st.booleans(), counts=st.booleans(), dup=st.booleans())
+def test_d2o_merger_equals_session_12s(seed, B, H, N, D, threshold, proportional, sliced, prior, counts, dup):
+    """The merged state bit for bit (keys, values, sizes, counts, tau), from D2O's own plan; keys as
+    a slice of a longer buffer (a cache's view) or contiguous, with and without a previous tau."""
+    gen = torch.Generator().manual_seed(seed)
+    extra = 5 if sliced else 0
+    keys = torch.randn(B, H, N + extra, D, generator=gen)[:, :, :N]
+    if dup and N > 1:
+        keys[:, :, 1::2] = keys[:, :, 0:N - 1:2][:, :, : keys[:, :, 1::2].shape[2]]
+    st_ = kc.KVState.from_raw(keys, torch.randn(B, H, N + extra, D, generator=gen)[:, :, :N])
+    if counts:
+        st_ = st_.replace(counts=torch.randint(1, 4, (B, H, N), generator=gen).float())
+    if prior:
+        tau = torch.rand(B, H, generator=gen)
+        tau[0, 0] = float("nan")
+        st_ = st_.replace(extras={fast_d2o.TAU_KEY: tau})
+    chunk_ids = torch.zeros(B, H, N, dtype=torch.long)
+    keep = torch.rand(B, H, N, generator=gen) < 0.3
+    candidate, _ = fast_d2o.most_similar_kept(st_.keys, ~keep, keep, chunk_ids)
+    slot = torch.arange(N).expand(B, H, N)
+    plan = torch.where(keep, slot, candidate)
+    fast = fast_d2o.D2OMerger(threshold=threshold, proportional=proportional)
+    slow = slow_d2o.D2OMerger(threshold=threshold, proportional=proportional)
+    assert _equal_states(fast(st_, plan), slow(st_, plan))
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), P=st.integers(0, 300), D=st.sampled_from([1, 4, 64, 128]),
+       R1=st.integers(1, 50), R2=st.integers(1, 50))
+def test_rescore_equals_session_12s(seed, P, D, R1, R2):
+    """The re-score on reused buffers equals the fresh-tensor loop bit for bit (and leaves its
+    index arguments untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    a_t = torch.nn.functional.normalize(torch.randn(2, 3, R1, D, generator=gen), dim=-1).transpose(-1, -2).contiguous()
+    b_t = torch.nn.functional.normalize(torch.randn(2, 3, R2, D, generator=gen), dim=-1).transpose(-1, -2).contiguous()
+    m = torch.randint(0, 6, (P,), generator=gen)
+    a_at = m * D * R1 + torch.randint(0, R1, (P,), generator=gen)
+    b_at = m * D * R2 + torch.randint(0, R2, (P,), generator=gen)
+    keep_a, keep_b = a_at.clone(), b_at.clone()
+    got = fast_d2o.rescore(a_t, a_at, b_t, b_at)
+    ref = slow_d2o.rescore(a_t, a_at, b_t, b_at)
+    assert _same(got, ref) and torch.equal(a_at, keep_a) and torch.equal(b_at, keep_b)
+
+
+def _rank_desc_v0(key, candidate):
+    """eviction.rank_desc at main ffe1659, verbatim: always a stable sort."""
+    _min = torch.finfo(torch.float32).min
+    k = key.float().nan_to_num(nan=_min, posinf=float("inf"), neginf=_min)
+    k = torch.where(candidate, k.clamp(min=_min), float("-inf"))
+    order = torch.sort(k, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return ranks
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(0, 150),
+       kind=st.sampled_from(["positions", "gaps", "ties", "random", "special", "big"]),
+       p=st.sampled_from([0.0, 0.5, 1.0]))
+def test_rank_desc_equals_the_sort(seed, B, H, N, kind, p):
+    """The counting path (keys increasing along the candidates) and the sort give the same ranks;
+    ties, NaN, infinities and long positions beyond float32's integers fall back to the sort."""
+    from kvcompress.strategies.eviction import rank_desc
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "positions":
+        key = torch.arange(N).expand(B, H, N)
+    elif kind == "gaps":
+        key = torch.randint(1, 4, (B, H, N), generator=gen).cumsum(-1)
+    elif kind == "ties":
+        key = torch.randint(0, 3, (B, H, N), generator=gen).cumsum(-1)
+    elif kind == "big":  # 2^24 + n: equal once rounded to float32
+        key = (1 << 24) + torch.arange(N).expand(B, H, N)
+    else:
+        key = torch.randn(B, H, N, generator=gen).sort(-1).values if seed % 2 else torch.randn(B, H, N, generator=gen)
+        if kind == "special" and N:
+            key = key.clone()
+            key.view(-1)[torch.randint(0, key.numel(), (3,), generator=gen)] = torch.tensor(
+                [float("nan"), float("inf"), float("-inf")])
+    candidate = torch.rand(B, H, N, generator=gen) < p
+    assert torch.equal(rank_desc(key, candidate), _rank_desc_v0(key, candidate))

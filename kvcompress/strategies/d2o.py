@@ -54,7 +54,14 @@ def _compact(mask: Tensor) -> tuple[Tensor, Tensor]:
     K = the most True slots of any head (at least 1)."""
     count = mask.sum(-1)
     K = max(1, int(count.max()))
-    order = torch.sort((~mask).long(), dim=-1, stable=True).indices[..., :K]
+    # the stable sort of ~mask without sorting: the n-th slot's place is its rank among the True
+    # slots, or, for a False one, count + its rank among the False ones (n - trues up to n);
+    # the same permutation (the False slots trail in slot order, as the sort put them)
+    N = mask.shape[-1]
+    trues = mask.cumsum(-1)  # [B, H, N] inclusive
+    slot = torch.arange(N, device=mask.device)
+    dest = torch.where(mask, trues - 1, count[..., None] + slot - trues)
+    order = torch.empty_like(dest).scatter_(-1, dest, slot.expand_as(dest))[..., :K]
     return order, torch.arange(K, device=mask.device) < count[..., None]
 
 
@@ -148,11 +155,22 @@ def rescore(a_t: Tensor, a_at: Tensor, b_t: Tensor, b_at: Tensor) -> Tensor:
     b_t, b_at: the same for the second rows."""
     D, R1, R2 = a_t.shape[-2], a_t.shape[-1], b_t.shape[-1]
     a_flat, b_flat = a_t.view(-1), b_t.view(-1)
-    acc = torch.zeros(a_at.shape[0], dtype=torch.float64, device=a_t.device)
+    P = a_at.shape[0]
+    # work buffers of P values reused across d, the indices moved on in place (a fresh index, term
+    # and rounding per d cost ~1.4x: allocation, not arithmetic)
+    ia, ib = a_at.clone(), b_at.clone()
+    fa, fb = a_flat.new_empty(P), b_flat.new_empty(P)
+    acc = torch.zeros(P, dtype=torch.float64, device=a_t.device)
+    x, y = torch.empty_like(acc), torch.empty_like(acc)
+    out = torch.zeros(P, dtype=torch.float32, device=a_t.device)
     for d in range(D):  # over the head dimension, not over tokens
-        acc.add_(a_flat.take(a_at + d * R1).double().mul_(b_flat.take(b_at + d * R2).double()))
-        acc.copy_(acc.float())
-    return acc.float()
+        torch.index_select(a_flat, 0, ia, out=fa)
+        torch.index_select(b_flat, 0, ib, out=fb)
+        acc.add_(x.copy_(fa).mul_(y.copy_(fb)))  # the product exact in float64
+        acc.copy_(out.copy_(acc))  # the sum rounded to float32 after every term
+        ia.add_(R1)
+        ib.add_(R2)
+    return out
 
 
 def _coarse_candidates(sims: Tensor, band: float, rows_ok: Tensor):
@@ -193,12 +211,16 @@ def _coarse_candidates(sims: Tensor, band: float, rows_ok: Tensor):
 
 
 def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_ids: Tensor,
-                      coarse: bool | None = None) -> tuple[Tensor, Tensor]:
+                      coarse: bool | None = None, similarities: bool = True) -> tuple[Tensor, Tensor | None]:
     """For every evicted slot, its most similar receiving slot of the same chunk (key cosine).
 
     keys: [B, H, N, D]; evicted, receiving: [B, H, N] bool; chunk_ids: [B, H, N] long
     coarse: search in bfloat16 first, then re-score the candidates in float32 (None: where
             ``coarse_available``, D <= 64 and B * H * E * K >= 2^23 similarities)
+    similarities: False when only the parents are wanted (D2O's clusterer: its merger computes
+            its own): then the similarity is None, and a coarse row with a single candidate takes
+            it without re-scoring it (it is the float32 search's parent: the argmax is among the
+            candidates); the parents are the same.
     returns (parent [B, H, N] long slot or -1, similarity [B, H, N] float32, -inf where none);
             ties go to the earlier slot. Memory: [B, H, block, K] similarities at a time.
 
@@ -227,8 +249,11 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
         pad = _COARSE_BLOCK - K % _COARSE_BLOCK
         order, k_ok = F.pad(order, (0, pad)), F.pad(k_ok, (0, pad))
         K += pad
-    k_keys = kn.gather(2, order[..., None].expand(B, H, K, D))
-    e_keys = kn.gather(2, e_order[..., None].expand(B, H, E, D))
+    # whole rows by index_select (a gather through an index expanded over D is several times slower)
+    base = torch.arange(B * H, device=device).view(B, H, 1) * N
+    kn_rows = kn.reshape(B * H * N, D)
+    k_keys = kn_rows.index_select(0, (base + order).view(-1)).view(B, H, K, D)
+    e_keys = kn_rows.index_select(0, (base + e_order).view(-1)).view(B, H, E, D)
     k_chunk = torch.where(k_ok, chunk_ids.gather(-1, order), -2)
     e_chunk = chunk_ids.gather(-1, e_order)
     big = torch.iinfo(torch.long).max
@@ -291,8 +316,15 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
         if found:  # every candidate re-scored in float32; a row's value is their maximum, its column
             # the first candidate reaching it (``max(-1)``'s tie order)
             row, col = (torch.cat(t) for t in zip(*found))
+            if not similarities:  # a row's only candidate is its parent: no re-score (similarity 0, unused)
+                alone = torch.zeros(B * H * E, dtype=torch.long, device=device).index_add_(
+                    0, row, torch.ones_like(row)).index_select(0, row) == 1
+                e_best.view(-1).index_fill_(0, row[alone], 0.0)
+                e_parent.view(-1).index_copy_(0, row[alone], col[alone])
+                row, col = row[~alone], col[~alone]
             bh = row // E
             kn_t = kn.transpose(-1, -2).contiguous()  # [B, H, D, N]: each term one gather
+            # (cheaper than gathering the candidate rows and transposing them: P is often > B H N)
             slot_e = e_order.take(row)
             slot_k = order.take(bh * K + col)
             val = rescore(kn_t, bh * D * N + slot_e, kn_t, bh * D * N + slot_k)
@@ -301,10 +333,12 @@ def most_similar_kept(keys: Tensor, evicted: Tensor, receiving: Tensor, chunk_id
             e_parent.view(-1).scatter_reduce_(0, row[win], col[win], "amin", include_self=False)
     has = e_ok & (e_best > NEG_INF)
     e_parent = torch.where(has, order.gather(-1, e_parent.clamp(0, K - 1)), -1)
-    e_best = torch.where(has, e_best, NEG_INF)
-    # back to slot order; padding rows of heads with fewer evicted slots write into a trash column
-    dest = torch.where(e_ok, e_order, N)
+    dest = torch.where(e_ok, e_order, N)  # back to slot order; padding rows of heads with fewer
+    # evicted slots write into a trash column
     parent = torch.full((B, H, N + 1), -1, dtype=torch.long, device=device).scatter_(-1, dest, e_parent)
+    if not similarities:
+        return parent[..., :N], None
+    e_best = torch.where(has, e_best, NEG_INF)
     best = torch.full((B, H, N + 1), NEG_INF, dtype=torch.float32, device=device).scatter_(-1, dest, e_best)
     return parent[..., :N], best[..., :N]
 
@@ -325,7 +359,7 @@ class D2OClusterer(EvictClusterer):
     def __call__(self, state: KVState, chunk_ids: Tensor, target: Tensor, round_idx: int = 0) -> ClusterPlan:
         free, keep = self.kept_free(state, chunk_ids, target)
         evicted = free & ~keep
-        candidate, _ = most_similar_kept(state.keys, evicted, free & keep, chunk_ids)
+        candidate, _ = most_similar_kept(state.keys, evicted, free & keep, chunk_ids, similarities=False)
         slot = torch.arange(state.num_slots, device=chunk_ids.device).expand_as(chunk_ids)
         parent = torch.where(state.valid & ~evicted, slot, candidate)
         return ClusterPlan(parent, done=True)
@@ -379,7 +413,10 @@ class D2OMerger:
         is_rep = (parent == slot) & valid
         candidate = valid & (parent >= 0) & ~is_rep
         kn = F.normalize(state.keys.float(), dim=-1)
-        sim = (kn * kn.gather(2, safe[..., None].expand(B, H, N, D))).sum(-1)  # [B, H, N]
+        # the parents' rows by index_select (a gather through an index expanded over D is several times slower)
+        base = torch.arange(B * H, device=parent.device).view(B, H, 1) * N
+        k_parent = kn.reshape(B * H * N, D).index_select(0, (base + safe).view(-1)).view(B, H, N, D)
+        sim = (kn * k_parent).sum(-1)  # [B, H, N]
         tau = self.threshold_for(state, sim, candidate)
         merged = candidate & (sim >= tau[..., None])
         plan = torch.where(candidate & ~merged, -1, parent)

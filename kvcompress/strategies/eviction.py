@@ -34,6 +34,17 @@ def rank_desc(key: Tensor, candidate: Tensor) -> Tensor:
     """
     k = key.float().nan_to_num(nan=_FINITE_MIN, posinf=float("inf"), neginf=_FINITE_MIN)
     k = torch.where(candidate, k.clamp(min=_FINITE_MIN), float("-inf"))  # candidates beat the rest
+    N = k.shape[-1]
+    if N > 1:
+        # keys strictly increasing along the candidates (positions before any merge: the recency
+        # ranking): the sort's ranks by counting, the candidates from the last one, the others
+        # after them in slot order
+        prev = torch.cummax(k, -1).values[..., :-1]  # the largest candidate key before slot n + 1
+        if bool((k[..., 1:] > prev)[candidate[..., 1:]].all()):
+            c = candidate.long().cumsum(-1)
+            count = c[..., -1:]
+            slot = torch.arange(N, device=k.device)
+            return torch.where(candidate, count - c, count + slot - c)
     order = torch.sort(k, dim=-1, descending=True, stable=True).indices
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
