@@ -86,6 +86,15 @@ def _buffer(name: str, shape: tuple, device: torch.device) -> Tensor:
     return pool.scratch(f"fit.{name}", shape, torch.float32, device)
 
 
+def _numerators(e: Tensor, values: Tensor) -> Tensor:
+    """sum_i e_ir v_i [B, H, P, D] (contiguous) for e [B, H, N, P], values [B, H, N, D] float32, as
+    (v^T e)^T: the product with the short operand transposed on the left ran ~1.4x faster than
+    e^T v (e's long rows read strided) on CPU (8.0 vs 11.6 ms at N = 8192, P = 192, D = 64), with
+    the same sums (bit-identical on the real 8k captures). Contiguous: later reductions over its
+    last dimension sum in the order they did (a one-slot row's output is then its value exactly)."""
+    return torch.matmul(values.transpose(-1, -2), e).transpose(-1, -2).contiguous()
+
+
 @dataclass(frozen=True)
 class FitResult:
     """Fitted slots, one row per output slot of the merge ([B, H, M, ...]).
@@ -218,7 +227,7 @@ def fit_clusters(
     norm, n_eff, inv = _weights(share, power, "norm")  # [B, H, M, P], [B, H, M], [B, H, M, 1]
     alpha = _shrink(n_eff, ridge)  # [B, H, M]
     # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
-    row_out = torch.matmul(e.transpose(-1, -2), v32).div_(zc[..., None])
+    row_out = _numerators(e, v32).div_(zc[..., None])
     separable = power == 1.0
     if separable:
         # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
@@ -301,7 +310,7 @@ def row_part(keys: Tensor, values: Tensor, bias: Tensor, queries: Tensor, scale:
                      out=_buffer("logits", (B, H, M, queries.shape[2]), keys.device)).add_(bias.float()[..., None])
     top = s.amax(dim=2)  # -inf where none of the slots is seen (mass and num 0 then)
     e = s.sub_(torch.where(top > NEG_INF, top, 0.0)[:, :, None]).exp_()  # [B, H, M, P]
-    return RowPart(top=top, mass=e.sum(2), num=torch.matmul(e.transpose(-1, -2), values.float()))
+    return RowPart(top=top, mass=e.sum(2), num=_numerators(e, values.float()))
 
 
 def _logits(keys: Tensor, bias: Tensor, q_t: Tensor, logits: Tensor | None) -> Tensor:
@@ -324,7 +333,7 @@ def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: Ro
     e = s.sub_(top[:, :, None]).exp_()
     shift = (rest.top - top).exp_()  # the rest's terms against the new top
     inv = (e.sum(2) + rest.mass * shift).clamp(min=TINY).reciprocal_()  # [B, H, P]
-    out = torch.matmul(e.transpose(-1, -2), values).add_(rest.num * shift[..., None]).mul_(inv[..., None])
+    out = _numerators(e, values).add_(rest.num * shift[..., None]).mul_(inv[..., None])
     return e.mul_(inv[:, :, None]), out
 
 
@@ -360,7 +369,7 @@ def split_moving(keys: Tensor, values: Tensor, bias: Tensor, rest: RowPart, quer
     rows = (torch.arange(B * H, device=moving.device).view(B, H, 1) * K + moving).reshape(-1)
     e.view(B * H * K, -1).index_fill_(0, rows, 0.0)
     part = RowPart(top=top, mass=rest_mass.add_(e.sum(2)),
-                   num=torch.matmul(e.transpose(-1, -2), values).add_(rest.num * shift[..., None]))
+                   num=_numerators(e, values).add_(rest.num * shift[..., None]))
     return moving, part
 
 
