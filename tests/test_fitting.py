@@ -285,3 +285,21 @@ def test_numerators_are_the_plain_product_within_rounding(seed, N, P, D):
     assert got.is_contiguous() and got.shape == (1, 2, P, D)
     assert float((got.double() - want).abs().max()) <= 1e-6 * float((e.double().transpose(-1, -2) @ v.double().abs()).max())
     assert torch.equal(_numerators(torch.ones(1, 1, 1, P), v[:, :1, :1]), v[:, :1, :1].expand(1, 1, P, D))
+
+
+@given(seed=st.integers(0, 10_000), R=st.integers(1, 20), P=st.integers(1, 40), exponent=st.integers(-44, 2))
+@settings(CORE_SETTINGS, max_examples=60)
+def test_linear_weights_are_the_normalised_ones_within_rounding(seed, R, P, exponent):
+    """_linear_weights' n_eff and 1 / sum equal _weights(w, 1.0)'s to 1e-5 relative, for shares down
+    to 1e-44 of a row (faint rows, whose squares underflow, take the normalised squares), unseen
+    queries (0) and rows no query sees."""
+    from kvcompress.strategies.fitting import _linear_weights, _weights
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(R, P, generator=g) * 10.0 ** (exponent + 4 * torch.rand(R, 1, generator=g) - 2)
+    w = torch.where(torch.rand(R, P, generator=g) < 0.3, 0.0, w)
+    w[0] = 0.0  # a row no query sees
+    want_norm, want_n, want_inv = _weights(w, 1.0)
+    got_n, got_inv = _linear_weights(w)
+    assert torch.equal(got_inv, want_inv)
+    assert torch.equal(got_n == 0, want_n == 0)
+    assert float(((got_n - want_n).abs() / want_n.clamp(min=1e-30)).max()) <= 1e-5

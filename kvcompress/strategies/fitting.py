@@ -144,6 +144,35 @@ def _weights(share: Tensor, power: float, into: str | None = None) -> tuple[Tens
     return norm, n_eff, inv
 
 
+# a row of linear weights whose sum of squares is below this is rescaled before squaring
+# (``_linear_weights``): above it the largest terms' squares are far from float32's underflow
+# (>= 1e-26 / P), the ones that underflow add < P * 1e-38, and the squares' sum is exact to rounding
+SQUARES_FLOOR = 1e-26
+
+
+def _linear_weights(w: Tensor) -> tuple[Tensor, Tensor]:
+    """_weights(w, 1.0)'s n_eff and 1 / sum(w) (bit for bit) without forming the normalised weights'
+    squares: n_eff = (sum w)^2 / sum w^2 from one sum and one dot product per row (one or two
+    passes over [..., P] fewer per call: the value step needs no normalised weights, the bias
+    step forms them once). Rows whose squares would underflow
+    (a cluster seen only faintly) take _weights' normalised squares. Equal to _weights' n_eff to
+    float32 rounding (another order of the same operations).
+
+    w: [..., P] >= 0; returns n_eff [...] (0 where sum w = 0) and inv [..., 1]
+    """
+    total = w.sum(-1, keepdim=True)
+    inv = torch.where(total > 0, total.clamp(min=torch.finfo(total.dtype).tiny).reciprocal(), 0.0)
+    squares = torch.linalg.vecdot(w, w)
+    t = total[..., 0]
+    n_eff = torch.where(t > 0, t * t / squares.clamp(min=SQUARES_FLOOR), 0.0)
+    faint = (squares < SQUARES_FLOOR) & (t > 0)
+    if bool(faint.any()):
+        rows = faint.reshape(-1).nonzero().squeeze(1)
+        norm = w.reshape(-1, w.shape[-1]).index_select(0, rows) * inv.reshape(-1, 1).index_select(0, rows)
+        n_eff.view(-1).index_copy_(0, rows, norm.square().sum(-1).clamp(min=TINY).reciprocal())
+    return n_eff, inv
+
+
 def log_mass_of(mass: Tensor, top: Tensor, clamped: bool = False) -> Tensor:
     """log m of every cluster and query (mass relative to the row's top, top added back; finite
     where unseen: log TINY + top); ``clamped``: mass is a clamped copy already, taken in place."""
@@ -256,11 +285,15 @@ def fit_clusters(
         out = x.new_zeros(rows * M + 1, x.shape[-1]).index_add_(0, flat, x.reshape(rows * N, -1) * u)
         return out[: rows * M].view(B, H, M, -1)
 
-    norm, n_eff, inv = _weights(share, power, "norm")  # [B, H, M, P], [B, H, M], [B, H, M, 1]
+    separable = power == 1.0
+    if separable:  # the weights are the shares (normalised: the bias step's weights, as _weights forms them)
+        n_eff, inv = _linear_weights(share)  # [B, H, M], [B, H, M, 1]
+        norm = torch.mul(share, inv, out=_buffer("norm", share.shape, dev))  # [B, H, M, P]
+    else:
+        norm, n_eff, inv = _weights(share, power, "norm")  # [B, H, M, P], [B, H, M], [B, H, M, 1]
     alpha = _shrink(n_eff, ridge)  # [B, H, M]
     # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
     row_out = _numerators(e, v32).div_(zc[..., None])
-    separable = power == 1.0
     if separable:
         # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
         # and sum_i a_i v_i, one scatter each ([B*H*M, D] sums: keys then values; sum_i a_i = sum_r share_r)
@@ -283,7 +316,10 @@ def fit_clusters(
     # weighing (m'_r / Z_r) ** power = (share / rho) ** power
     rho = y.sub_(beta[..., None]).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp_()
     fitted_share = torch.div(share, rho, out=_buffer("fitted_share", share.shape, dev))  # m' / Z (0 where unseen)
-    norm2, n_eff2, inv2 = _weights(fitted_share, power, "norm2")
+    if separable:
+        n_eff2, inv2 = _linear_weights(fitted_share)
+    else:
+        norm2, n_eff2, inv2 = _weights(fitted_share, power, "norm2")
     alpha_v = _shrink(n_eff2, ridge)
     if separable:
         # norm2 rho = share inv2 and norm2 (1 - rho) = (m' - m) / Z inv2:

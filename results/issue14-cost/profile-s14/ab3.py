@@ -5,7 +5,8 @@ output error sum_r |o'_r - o_r|^2 / sum_r |o_r|^2 of the refitted layer (every s
 the uncompressed layer over the fit's reference queries ("ref") and over the whole captured 64-query window
 ("win"), summed over the 30 layers, for new and old.
     python results/issue14-cost/profile-s14/ab3.py STATES.pt OLD_DIR REPEATS PRESET@BUDGET ...
-OLD_DIR as for profile-s11/ab.py (fitted_old.py / fitting_old.py)."""
+OLD_DIR as for profile-s11/ab.py (fitted_old.py / fitting_old.py). PRESET@BUDGET@k=v,k=v: the new merger with
+those parameters overridden (e.g. query_stride=2), the old one as registered."""
 import sys, time, os, math, statistics, torch
 sys.path.insert(0, "."); sys.path.insert(0, sys.argv[2])
 from dataclasses import asdict
@@ -29,14 +30,15 @@ def err(st, out, q):
     return float((got - want).square().sum()), float(want.square().sum())
 
 for spec in sys.argv[4:]:
-    preset, budget = spec.split("@")
+    preset, budget, *over = spec.split("@")
+    over = {k: (int(v) if v.isdigit() else float(v)) for k, v in (kv.split("=") for kv in over[0].split(","))} if over else {}
     caps = []
     FD.FittedMerger.fit_plan = lambda self, st, p, m: caps.append((st, p, m)) or m
     pipe = Pipeline(get_preset(preset, keep_ratio=float(budget))); pipe.prepare(states)
     for l, st in enumerate(states): pipe.compress(st, layer_idx=l)
     FD.FittedMerger.fit_plan = orig
-    new = pipe.merger
-    old = OLD.FittedMerger(**asdict(new))
+    old = OLD.FittedMerger(**asdict(pipe.merger))
+    new = FD.FittedMerger(**{**asdict(pipe.merger), **over})
     worst = {"keys": 0.0, "values": 0.0, "log_sizes": 0.0}
     e = {"new": {"ref": [0.0, 0.0], "win": [0.0, 0.0]}, "old": {"ref": [0.0, 0.0], "win": [0.0, 0.0]}}
     for c in caps:
