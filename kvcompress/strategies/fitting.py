@@ -36,7 +36,8 @@ a row their errors add up.
 Both fits shrink toward the proportional answer (mean value, beta = log sum exp(b)) with
 ``ridge`` pseudo-queries against the weights' effective number of queries, so a cluster no
 reference query looks at keeps the proportional answer. Everything is computed in float32 on
-flat [rows, P] tensors with index_add / index_reduce over members: no loop per slot or head.
+flat [rows, P] tensors, the per-cluster sums as sparse CSR products over the members (index_add where
+the power is not 1): no loop per slot or head.
 """
 
 from __future__ import annotations
