@@ -247,3 +247,59 @@ def test_refine_jointly_equals_the_slow_per_head_loop(seed, B, H, M, D, P, pad, 
         att = (torch.einsum("bhpd,bhmd->bhpm", queries, k) * scale + bias[:, :, None]).softmax(-1)
         return float((att @ v - targets).square().sum())
     assert out_err(got_k, got_v) <= out_err(keys, values) * (1 + 1e-5) + 1e-9
+
+
+# session 14: the cluster sums as sparse CSR products, the rows' numerators as (v^T e)^T
+@given(seed=st.integers(0, 10_000), S=st.integers(1, 60), C=st.integers(1, 9), E=st.integers(1, 12),
+       weighted=st.booleans(), none=st.booleans())
+@settings(CORE_SETTINGS, max_examples=60)
+def test_member_sums_equal_index_add_within_rounding(seed, S, C, E, weighted, none):
+    """_Members.sum equals index_add_ of the (weighted) rows into their clusters, the non-members
+    (row C) dropped, to 1e-6 of the largest absolute sum (float32 rounding: the sparse product may
+    fuse the weight's multiply into the add); with no weight, to the same bound (in practice exact)."""
+    from kvcompress.strategies.fitting import _Members
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randint(0, C + 1, (S,), generator=g)
+    if none:  # no slot is a member
+        flat[:] = C
+    x = torch.randn(S, E, generator=g) * 10 ** torch.randint(-3, 4, (S, 1), generator=g).float()
+    w = torch.rand(S, generator=g) if weighted else None
+    got = _Members(flat, C, S).sum(w, x)
+    src = x.double() * (w.double()[:, None] if weighted else 1.0)
+    want = torch.zeros(C + 1, E, dtype=torch.float64).index_add_(0, flat, src)[:C]
+    bound = 1e-6 * float(src.abs().sum(0).max()) + 1e-30 if S else 1e-30
+    assert got.shape == (C, E) and got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) <= bound
+
+
+@given(seed=st.integers(0, 10_000), N=st.integers(1, 300), P=st.integers(1, 40), D=st.sampled_from([2, 8, 64]))
+@settings(CORE_SETTINGS, max_examples=40)
+def test_numerators_are_the_plain_product_within_rounding(seed, N, P, D):
+    """_numerators(e, v) = e^T v to 1e-6 relative (float64 reference), contiguous; one slot of weight 1
+    gives its value exactly (the joint steps' gradient of a one-slot row is then exactly 0)."""
+    from kvcompress.strategies.fitting import _numerators
+    g = torch.Generator().manual_seed(seed)
+    e, v = torch.rand(1, 2, N, P, generator=g), torch.randn(1, 2, N, D, generator=g)
+    got = _numerators(e, v)
+    want = e.double().transpose(-1, -2) @ v.double()
+    assert got.is_contiguous() and got.shape == (1, 2, P, D)
+    assert float((got.double() - want).abs().max()) <= 1e-6 * float((e.double().transpose(-1, -2) @ v.double().abs()).max())
+    assert torch.equal(_numerators(torch.ones(1, 1, 1, P), v[:, :1, :1]), v[:, :1, :1].expand(1, 1, P, D))
+
+
+@given(seed=st.integers(0, 10_000), R=st.integers(1, 20), P=st.integers(1, 40), exponent=st.integers(-44, 2))
+@settings(CORE_SETTINGS, max_examples=60)
+def test_linear_weights_are_the_normalised_ones_within_rounding(seed, R, P, exponent):
+    """_linear_weights' n_eff and 1 / sum equal _weights(w, 1.0)'s to 1e-5 relative, for shares down
+    to 1e-44 of a row (faint rows, whose squares underflow, take the normalised squares), unseen
+    queries (0) and rows no query sees."""
+    from kvcompress.strategies.fitting import _linear_weights, _weights
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(R, P, generator=g) * 10.0 ** (exponent + 4 * torch.rand(R, 1, generator=g) - 2)
+    w = torch.where(torch.rand(R, P, generator=g) < 0.3, 0.0, w)
+    w[0] = 0.0  # a row no query sees
+    want_norm, want_n, want_inv = _weights(w, 1.0)
+    got_n, got_inv = _linear_weights(w)
+    assert torch.equal(got_inv, want_inv)
+    assert torch.equal(got_n == 0, want_n == 0)
+    assert float(((got_n - want_n).abs() / want_n.clamp(min=1e-30)).max()) <= 1e-5
