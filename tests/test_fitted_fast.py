@@ -73,7 +73,35 @@ def test_refit_is_the_session_9_fit_within_rounding(seed, B, H, N, D, G, R, size
     m = FittedMerger(queries="prefill", key=key, power=power, ridge=ridge, refine=refine, refine_share=share,
                      query_stride=stride)
     merged = ProportionalRounds()(state, parent)
-    _same(m.refit(state, parent, merged), REF.refit(m, state, parent, merged), merged)
+    got, ref = m.refit(state, parent, merged), REF.refit(m, state, parent, merged)
+    if refine == 0:
+        _same(got, ref, merged)
+    else:
+        _same_attention(got, ref, merged, state.extras["reference_queries"], G)
+
+
+def _outputs(s: KVState, q: torch.Tensor, G: int) -> torch.Tensor:
+    """[B, H * G, R, D] float64: attention of the queries q [B, H * G, R, D] over the state's slots,
+    log sizes added to the logits (the slow, obvious form)."""
+    k = s.keys.double().repeat_interleave(G, 1)
+    v = s.values.double().repeat_interleave(G, 1)
+    bias = s.log_sizes.double().repeat_interleave(G, 1)[:, :, None, :]
+    logits = q.double() @ k.transpose(-1, -2) / math.sqrt(k.shape[-1]) + bias
+    return torch.softmax(logits, -1) @ v
+
+
+def _same_attention(a: KVState, b: KVState, merged: KVState, q: torch.Tensor, G: int) -> None:
+    """With key steps (refine > 0) a near-exact fit moves its keys along rounding noise (a head with
+    1-3 reference queries: keys off by 1e-2 for any reordering of a sum), so the slots are compared by
+    what they are for: their attention output on the reference queries; bookkeeping exactly."""
+    assert torch.equal(a.counts, b.counts)
+    kept = (b.keys == merged.keys).all(-1) & (b.values == merged.values).all(-1) & (b.log_sizes == merged.log_sizes)
+    assert torch.equal(a.keys[kept], merged.keys[kept]) and torch.equal(a.values[kept], merged.values[kept])
+    for name in ("keys", "values", "log_sizes"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(torch.isfinite(x), torch.isfinite(y)), name
+    x, y = _outputs(a, q, G), _outputs(b, q, G)
+    assert float((x - y).abs().max()) <= 1e-3 * max(float(y.abs().max()), 1e-30)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
