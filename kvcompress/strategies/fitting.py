@@ -187,11 +187,6 @@ def _shrink(n_eff: Tensor, ridge: float) -> Tensor:
     return ridge / (n_eff + ridge)
 
 
-# torch's one-time notice that sparse CSR tensors are a beta feature (``_Members`` uses only the
-# CSR x dense product, on CPU and CUDA alike): not the caller's concern
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
-
-
 class _Members:
     """Per-cluster sums over the members as products with a sparse [clusters, slots] CSR matrix
     (one row per cluster, its members' columns in slot order): on CPU the sparse product ran
@@ -213,7 +208,11 @@ class _Members:
         """[clusters, E] float32: sum_i weight_i x_i over each cluster's members (weight [S] or None
         = 1; x [S, E] float32)."""
         vals = x.new_ones(self.cols.shape[0]) if weight is None else weight.index_select(0, self.cols)
-        matrix = torch.sparse_csr_tensor(self.crow, self.cols, vals, size=self.size, check_invariants=False)
+        with warnings.catch_warnings():
+            # torch's notice that sparse CSR tensors are a beta feature (only the CSR x dense product is
+            # used): silenced here, not in the caller's warning filters
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+            matrix = torch.sparse_csr_tensor(self.crow, self.cols, vals, size=self.size, check_invariants=False)
         return torch.sparse.mm(matrix, x)
 
 
