@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CORE_SETTINGS
+from kvcompress.attention import proportional_attention
 from kvcompress.strategies.fitted import FittedMerger, ProportionalRounds, _differs_from
 from kvcompress.types import KVState
 from slow_reference import fitting_v0 as REF
@@ -83,25 +84,15 @@ def test_refit_is_the_session_9_fit_within_rounding(seed, B, H, N, D, G, R, size
     if refine == 0:
         _same(got, ref, merged)
     else:
-        _same_attention(got, ref, merged, state.extras["reference_queries"], G)
+        _same_attention(got, ref, merged, state.extras["reference_queries"])
 
 
-def _outputs(s: KVState, q: torch.Tensor, G: int) -> torch.Tensor:
-    """[B, H * G, R, D] float64: attention of the queries q [B, H * G, R, D] over the state's slots,
-    log sizes added to the logits (the slow, obvious form)."""
-    k = s.keys.double().repeat_interleave(G, 1)
-    v = s.values.double().repeat_interleave(G, 1)
-    bias = s.log_sizes.double().repeat_interleave(G, 1)[:, :, None, :]
-    logits = q.double() @ k.transpose(-1, -2) / math.sqrt(k.shape[-1]) + bias
-    return torch.softmax(logits, -1) @ v
-
-
-def _same_attention(a: KVState, b: KVState, merged: KVState, q: torch.Tensor, G: int) -> None:
+def _same_attention(a: KVState, b: KVState, merged: KVState, q: torch.Tensor) -> None:
     """With key steps (refine > 0) a near-exact fit moves its keys along rounding noise (a head with
     1-3 reference queries: keys off by 1e-2 for any reordering of a sum), so the slots are compared by
     what they are for: their attention output on the reference queries; bookkeeping exactly."""
     _same_bookkeeping(a, b, merged)
-    x, y = _outputs(a, q, G), _outputs(b, q, G)
+    x, y = (proportional_attention(q, s.keys, s.values, s.log_sizes, causal=False) for s in (a, b))
     assert float((x - y).abs().max()) <= 1e-3 * max(float(y.abs().max()), 1e-30)
 
 
