@@ -97,6 +97,25 @@ def _numerators(e: Tensor, values: Tensor) -> Tensor:
     return torch.matmul(values.transpose(-1, -2), e).transpose(-1, -2).contiguous()
 
 
+def _dead_rows(bias: Tensor) -> Tensor | None:
+    """The flat rows (into [B * H * K]) of slots whose bias is -inf (padding: their logits and weights
+    are -inf / 0 for every query), None when there are none. bias: [B, H, K]."""
+    dead = bias.reshape(-1).eq(NEG_INF)
+    return dead.nonzero().squeeze(1) if bool(dead.any()) else None
+
+
+def _exp_(s: Tensor, dead: Tensor | None) -> Tensor:
+    """s.exp_() for s [B, H, K, P] (contiguous) whose rows ``dead`` (``_dead_rows``) are -inf, bit for bit:
+    those rows are set to 0 around the exp instead of being exponentiated. On CPU torch's vectorised
+    exp (Sleef) runs ~5-7x slower over lanes of -inf (0.47 vs 0.07 ms for [3, 700, 96] with a fifth of
+    the rows -inf: the refined heads' padding rows), and exp(-inf) = 0 is what the fill writes."""
+    if dead is None:
+        return s.exp_()
+    flat = s.view(-1, s.shape[-1])
+    flat.index_fill_(0, dead, 0.0)
+    return flat.exp_().index_fill_(0, dead, 0.0).view(s.shape)
+
+
 @dataclass(frozen=True)
 class FitResult:
     """Fitted slots, one row per output slot of the merge ([B, H, M, ...]).
@@ -263,7 +282,7 @@ def fit_clusters(
     # their output and every cluster's mass; a cluster below TINY of the top is unseen by that query
     top = _max_over_slots(s)  # [B, H, 1, P]
     top = torch.where(top > NEG_INF, top, 0.0)  # a row of padding only
-    e = s.sub_(top).exp_()  # [B, H, N, P], 0 for padding
+    e = _exp_(s.sub_(top), _dead_rows(bias))  # [B, H, N, P], 0 for padding
     z = e.sum(2)  # [B, H, P], >= 1 (0: a row of padding only)
     e_flat = e.view(rows * N, P)
 
@@ -370,7 +389,7 @@ def row_part(keys: Tensor, values: Tensor, bias: Tensor, queries: Tensor, scale:
     s = torch.matmul(keys.float(), _scaled_t(queries, scale),
                      out=_buffer("logits", (B, H, M, queries.shape[2]), keys.device)).add_(bias.float()[..., None])
     top = s.amax(dim=2)  # -inf where none of the slots is seen (mass and num 0 then)
-    e = s.sub_(torch.where(top > NEG_INF, top, 0.0)[:, :, None]).exp_()  # [B, H, M, P]
+    e = _exp_(s.sub_(torch.where(top > NEG_INF, top, 0.0)[:, :, None]), _dead_rows(bias))  # [B, H, M, P]
     return RowPart(top=top, mass=e.sum(2), num=_numerators(e, values.float()))
 
 
@@ -383,15 +402,15 @@ def _logits(keys: Tensor, bias: Tensor, q_t: Tensor, logits: Tensor | None) -> T
 
 
 def _attention(keys: Tensor, values: Tensor, bias: Tensor, q_t: Tensor, rest: RowPart,
-               logits: Tensor | None = None):
+               logits: Tensor | None = None, dead: Tensor | None = None):
     """The moving slots' attention a [B, H, K, P] and the rows' outputs [B, H, P, D], the rows
     being these slots and ``rest`` (a query whose row is all padding: zeros, not NaN);
     q_t: [B, H, D, P] the queries scaled and transposed (``_scaled_t``); logits: keys @ q_t when
-    already known."""
+    already known; dead: ``_dead_rows(bias)``."""
     s = _logits(keys, bias, q_t, logits)
     top = torch.maximum(s.amax(dim=2), rest.top)  # [B, H, P]
     top = torch.where(top > NEG_INF, top, 0.0)
-    e = s.sub_(top[:, :, None]).exp_()
+    e = _exp_(s.sub_(top[:, :, None]), dead)
     shift = (rest.top - top).exp_()  # the rest's terms against the new top
     inv = (e.sum(2) + rest.mass * shift).clamp(min=TINY).reciprocal_()  # [B, H, P]
     out = _numerators(e, values).add_(rest.num * shift[..., None]).mul_(inv[..., None])
@@ -418,7 +437,7 @@ def split_moving(keys: Tensor, values: Tensor, bias: Tensor, rest: RowPart, quer
         s = torch.add(logits, bias[..., None], out=_buffer("logits", logits.shape, logits.device))
     top = torch.maximum(s.amax(dim=2), rest.top)
     top = torch.where(top > NEG_INF, top, 0.0)  # [B, H, P]
-    e = s.sub_(top[:, :, None]).exp_()
+    e = _exp_(s.sub_(top[:, :, None]), _dead_rows(bias))
     shift = (rest.top - top).exp_()
     rest_mass = rest.mass * shift
     inv = (e.sum(2) + rest_mass).clamp(min=TINY).reciprocal_()  # [B, H, P]
@@ -473,8 +492,9 @@ def refine_jointly(
     lr = step / (q.abs().sum(-1).mean(-1) * scale).clamp(min=TINY)  # [B, H]
     scale_t = targets.square().sum((-2, -1)).clamp(min=TINY)  # [B, H]
     best_err = torch.full_like(lr, float("inf"))
+    dead = _dead_rows(bias)  # the padding rows, the same every step
     for t in range(steps + 1):
-        a, out = _attention(keys, values, bias, q_t, rest, logits if t == 0 else None)  # [B, H, K, P], [B, H, P, D]
+        a, out = _attention(keys, values, bias, q_t, rest, logits if t == 0 else None, dead)  # [B, H, K, P], [B, H, P, D]
         g = out - targets
         err = g.square().sum((-2, -1))  # [B, H]
         better = err <= best_err
