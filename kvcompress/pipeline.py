@@ -450,7 +450,8 @@ class Pipeline:
         if holes:
             current = merger.compact(current)
         if composed is not None:
-            current = self.merger.fit_plan(state, composed, current)
+            # a round that merged made current (fresh tensors, read by no one else): the fit writes into them
+            current = self.merger.fit_plan(state, composed, current, owned=current is not state)
         if protect is not None:
             current = current.replace(protected=None if own is None else _carried(own, state, current))
         slots = current.valid.sum(-1)

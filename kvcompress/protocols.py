@@ -206,10 +206,12 @@ class FitsComposedPlan(Protocol):
         """The merger of every round (its slots are what ``fit_plan`` starts from)."""
         ...
 
-    def fit_plan(self, state: KVState, parent: Tensor, merged: KVState) -> KVState:
+    def fit_plan(self, state: KVState, parent: Tensor, merged: KVState, *, owned: bool = False) -> KVState:
         """state: the compression's input; parent: [B, H, N] long, the rounds' plans composed
         over ``state``'s slots (a plan as ``Merger`` takes); merged: the last round's state (the
-        same slots as ``round_merger(state, parent)``) -> ``merged`` with its slots refitted."""
+        same slots as ``round_merger(state, parent)``) -> ``merged`` with its slots refitted.
+        owned: ``merged`` is a state the rounds' merges made (not ``state``) and no one else reads:
+        the merger may write into the tensors its ``round_merger`` made instead of copying them."""
         ...
 
 

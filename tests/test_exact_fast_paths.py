@@ -272,3 +272,66 @@ def test_rank_desc_equals_the_sort(seed, B, H, N, kind, p):
                 [float("nan"), float("inf"), float("-inf")])
     candidate = torch.rand(B, H, N, generator=gen) < p
     assert torch.equal(rank_desc(key, candidate), _rank_desc_v0(key, candidate))
+
+
+# ---------------------------------------------------------------------------------------------
+# h14b (session 16, issue 14): the fitted merger's fit, bit for bit
+# - ``_exp_``: the -inf padding rows of the fit's logits are filled with 0 around the exp instead of
+#   being exponentiated (torch's CPU exp is 5-7x slower on -inf lanes): equal to ``exp_``;
+# - ``refit(..., owned=True)``: the fitted rows written into the merge's own tensors instead of
+#   into copies: the same state as ``owned=False``, which leaves ``merged`` untouched.
+
+def _fit_state(seed, B, H, N, D, G, R, size, pad):
+    g = torch.Generator().manual_seed(seed)
+    run = torch.arange(N) // size
+    keys = torch.randn(B, H, N, D, generator=g)[:, :, run] + 0.5 * torch.randn(B, H, N, D, generator=g)
+    keys[:, :, : 2 * size] = keys[:, :, :1]  # a cluster of identical keys: kept as the merge's
+    q = 2.0 * torch.randn(B, H * G, R, D, generator=g) * D ** 0.25
+    state = kc.KVState.from_raw(keys, torch.randn(B, H, N, D, generator=g)).replace(extras={"queries": q})
+    parent = (run * size).expand(B, H, N).clone()
+    if pad:  # a padded head (its last slots padding, dropped): padding rows in the fit's heads
+        ls = state.log_sizes.clone()
+        ls[:, -1, -3 * size:] = float("-inf")
+        state = state.replace(log_sizes=ls)
+        parent[:, -1, -3 * size:] = -1
+    drop = torch.rand(B, H, N, generator=g) < 0.1
+    return state, torch.where(drop & (parent != torch.arange(N)), -1, parent), g
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), K=st.integers(1, 40),
+       P=st.integers(1, 40), p_dead=st.sampled_from([0.0, 0.3, 1.0]))
+def test_exp_of_dead_rows_equals_exp(seed, B, H, K, P, p_dead):
+    """Rows of -inf (padding) among finite logits, -inf and very negative entries (0 and subnormal
+    results) in the live rows too: ``_exp_`` equals ``exp_`` bit for bit."""
+    from kvcompress.strategies.fitting import _dead_rows, _exp_
+
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.randn(B, H, K, generator=gen).masked_fill(torch.rand(B, H, K, generator=gen) < p_dead, float("-inf"))
+    s = 30 * torch.randn(B, H, K, P, generator=gen) - 60 + bias[..., None]  # some below -87 and -104
+    s.view(-1)[torch.randint(0, s.numel(), (3,), generator=gen)] = float("-inf")
+    dead = _dead_rows(bias)
+    assert (dead is None) == (not bool(bias.eq(float("-inf")).any()))
+    assert torch.equal(_exp_(s.clone(), dead), s.exp())
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(12, 80),
+       G=st.integers(1, 3), R=st.integers(1, 8), size=st.integers(2, 5), refine=st.integers(0, 3),
+       share=st.sampled_from([0.25, 1.0]), pad=st.booleans())
+def test_refit_into_the_owned_merge_equals_the_copy(seed, B, H, N, G, R, size, refine, share, pad):
+    from kvcompress.strategies.fitted import FittedMerger, ProportionalRounds
+
+    state, parent, _ = _fit_state(seed, B, H, N, 8, G, R, size, pad)
+    m = FittedMerger(reference_queries=R, refine=refine, refine_share=share)
+    merged = ProportionalRounds()(state, parent)
+    before = {n: getattr(merged, n).clone() for n in ("keys", "values", "log_sizes")}
+    copied = m.refit(state, parent, merged)
+    for n, x in before.items():  # not owned: merged is left as it was
+        assert torch.equal(getattr(merged, n), x), n
+    owned = m.refit(state, parent, merged, owned=True)
+    for n in ("keys", "values", "log_sizes", "counts", "positions"):
+        assert torch.equal(getattr(owned, n), getattr(copied, n)), n
+    if not torch.equal(copied.keys, before["keys"]):  # something was fitted: written into merged's own tensors
+        assert owned.keys.data_ptr() == merged.keys.data_ptr() and owned.values.data_ptr() == merged.values.data_ptr()
+    assert torch.equal(m(state, parent).keys, copied.keys)  # __call__ owns its merge

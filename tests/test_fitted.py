@@ -473,9 +473,9 @@ class RecordingFit:
             return self.inner.round_merger(state, parent)
         return merge
 
-    def fit_plan(self, state, parent, merged):
+    def fit_plan(self, state, parent, merged, *, owned=False):
         self.composed = parent.clone()
-        return self.inner.fit_plan(state, parent, merged)
+        return self.inner.fit_plan(state, parent, merged, owned=owned)
 
 
 def test_the_merger_is_declared_to_fit_once():
