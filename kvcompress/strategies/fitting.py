@@ -516,11 +516,14 @@ def refine_jointly(
             c = torch.matmul(values, g.transpose(-1, -2)).sub_((out * g).sum(-1)[:, :, None]).mul_(a)
             here = torch.matmul(c, q)  # [B, H, K, D], the logit scale folded into lr's sign step
             grad = here if t == 0 or bool(better.all()) else torch.where(better[..., None, None], here, grad)
-        knee = grad.abs().amax(-1, keepdim=True).mul_(SOFT_SIGN_KNEE).clamp(min=TINY)
+        size = grad.abs()  # |grad|, then |grad| + knee in place: one pass and tensor fewer, the same numbers
+        knee = size.amax(-1, keepdim=True).mul_(SOFT_SIGN_KNEE).clamp(min=TINY)
         # a head within SETTLED of its targets moves proportionally less: rounding noise's sign
         # must not move a key a full step
         gate = (best_err / scale_t).sqrt_().div_(SETTLED).clamp_(max=1.0)
-        keys = (best_keys - (lr * gate)[..., None, None] * grad / (grad.abs() + knee)).to(dtype).float()
+        # best_keys - lr gate grad / (|grad| + knee), in that order of operations, in one fresh tensor
+        move = torch.mul(grad, (lr * gate)[..., None, None]).div_(size.add_(knee))
+        keys = torch.sub(best_keys, move, out=move).to(dtype).float()
     a = best_a
     res = targets - best_out
     gram = torch.matmul(a.transpose(-1, -2), a)  # [B, H, P, P]
