@@ -16,7 +16,7 @@ for spec in sys.argv[2:]:
     if os.path.exists(path):
         continue
     caps = []
-    FD.FittedMerger.fit_plan = lambda self, st, p, m: caps.append((st, p, m)) or m
+    FD.FittedMerger.fit_plan = lambda self, st, p, m, **kw: caps.append((st, p, m)) or m
     pipe = Pipeline(get_preset(preset, keep_ratio=float(budget))); pipe.prepare(states)
     for l, st in enumerate(states): pipe.compress(st, layer_idx=l)
     FD.FittedMerger.fit_plan = orig
