@@ -369,6 +369,29 @@ def test_input_state_is_not_modified():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("preset", ["centroidkv", "semanticache-fixed64", "streamingllm"])
+def test_a_pipeline_fitting_into_its_rounds_tensors_leaves_the_callers_state_alone(preset):
+    """The pipeline hands the fit its rounds' own tensors (owned=True): the state given to
+    compress, and a second compression of it, must not see any of those writes."""
+    from conftest import assert_state_unchanged, clone_state
+    from kvcompress.pipeline import Pipeline
+    from kvcompress.presets import get_preset
+
+    state, _ = clustered_state(4, N=128, size=4)
+    state = state.replace(counts=state.token_counts())
+    snapshot = clone_state(state)
+    extras = {k: v.clone() for k, v in state.extras.items()}
+    cfg = get_preset(preset, keep_ratio=0.25, sinks=2, recent=8).replace(
+        merger={"name": "fitted", "params": {"queries": "prefill"}})
+    first, report = Pipeline(cfg).compress(state)
+    assert report.budget_met
+    assert_state_unchanged(state, snapshot)
+    assert all(torch.equal(extras[k], state.extras[k]) for k in extras)
+    again, _ = Pipeline(cfg).compress(state)
+    for name in ("keys", "values", "log_sizes", "positions"):
+        assert torch.equal(getattr(first, name), getattr(again, name)), name
+
+
 def test_counts_add_up_apart_from_the_fitted_bias():
     state, parent = clustered_state(6, N=32)
     g = torch.Generator().manual_seed(3)

@@ -7,6 +7,7 @@ SRC=${SRC:-/work/wt/grid7}
 OUTROOT=${OUTROOT:-/work/main/results/issue18-heldout}
 M=${M:-snapkv,streamingllm,kvzip,kvzip-copy-heads-banded}
 N=${N:-8}
+SEED=${SEED:-1}
 STEPS=${STEPS:-"agreement-4k agreement-2k fidelity-4k fidelity-2k"}
 if [ $# -eq 0 ]; then
     echo $STEPS | tr ' ' '\n' | xargs -P 2 -I{} bash "$0" {}
@@ -14,9 +15,9 @@ if [ $# -eq 0 ]; then
 fi
 cd "$SRC"
 PY="nice -n 5 env HF_HUB_OFFLINE=1 PYTHONPATH=$SRC /work/main/.venv/bin/python -m kvcompress.cli eval"
-C="--threads 1 --no-progress --no-plots --seed 1 --budgets 0.5,0.25 --haystack /work/shared/data/paul_graham_essays"
+C="--threads 1 --no-progress --no-plots --seed $SEED --budgets 0.5,0.25 --haystack /work/shared/data/paul_graham_essays"
 # the facts at keep 0.25 as in grid6 (depths 0.1-0.9, 2 a depth), on other haystack draws (--seed 1)
-C1="--threads 1 --no-progress --no-plots --seed 1 --haystack /work/shared/data/paul_graham_essays"
+C1="--threads 1 --no-progress --no-plots --seed $SEED --haystack /work/shared/data/paul_graham_essays"
 D="--depths 0.1,0.3,0.5,0.7,0.9 --samples 2 --budgets 0.25"
 O=$OUTROOT
 for step in "$@"; do
