@@ -27,16 +27,17 @@ def prefill_kv(model, ids):
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
-def reference(model, ctx, repeat, chunk, starts=None):
-    """Per layer [B, H, T]: for each chunk, a fresh full forward over context + repeat + chunk with
-    eager attention; max over the pass's queries and the group's heads of the full softmax."""
+def reference(model, ctx, repeat, chunk, starts=None, lead=0):
+    """Per layer [B, H, T]: for each chunk, a fresh full forward over context + repeat (+ the lead
+    context tokens before the chunk) + chunk with eager attention; max over the pass's queries and
+    the group's heads of the full softmax."""
     B, T = ctx.shape
     H = model.config.num_key_value_heads
     G = model.config.num_attention_heads // H
     out = [torch.zeros(B, H, T) for _ in model.model.layers]
     starts = list(range(0, T, chunk)) if starts is None else starts
     for s in starts:
-        ids = torch.cat([ctx, repeat.expand(B, -1), ctx[:, s:s + chunk]], dim=1)
+        ids = torch.cat([ctx, repeat.expand(B, -1), ctx[:, max(0, s - lead):s], ctx[:, s:s + chunk]], dim=1)
         with torch.no_grad():
             att = model(input_ids=ids, output_attentions=True).attentions
         for layer, a in enumerate(att):  # a: [B, Hq, L, L]
@@ -61,6 +62,45 @@ def test_scores_equal_full_attention_reference(chunk):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
     assert got.chunks == -(-19 // chunk)
     assert got.tokens == sum(3 + min(chunk, 19 - s) for s in range(0, 19, chunk))
+
+
+@pytest.mark.parametrize("chunk, lead", [(4, 2), (7, 7), (5, 30)])
+def test_a_lead_in_before_each_chunk_equals_the_reference_with_it(chunk, lead):
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(2)
+    ctx = torch.randint(0, 50, (2, 19), generator=gen)
+    repeat = torch.randint(0, 50, (1, 3), generator=gen)
+    kv = prefill_kv(model, ctx)
+    got = reconstruction_scores(model, kv, ctx, repeat_ids=repeat, chunk=chunk, lead=lead)
+    for g, r in zip(got.scores, reference(model, ctx, repeat, chunk, lead=lead)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+    # the lead-in changes what the chunk's own queries see, so their copy mass differs from the plain
+    # pass's (the scores may not: a random model's diffuse maxima come from the repeat prompt's queries)
+    plain = reconstruction_scores(model, kv, ctx, repeat_ids=repeat, chunk=chunk)
+    assert all(not torch.allclose(g, p, atol=1e-4) for g, p in zip(got.copy, plain.copy))
+    assert got.tokens == sum(3 + min(lead, s) + min(chunk, 19 - s) for s in range(0, 19, chunk))
+    assert got.meta["lead"] == lead
+
+
+def test_a_lead_in_keeps_the_surprisal_of_each_token_its_own_prediction():
+    """With a lead-in the position before chunk token j is still the one that predicts it."""
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(7)
+    ctx = torch.randint(0, 50, (1, 13), generator=gen)
+    repeat = torch.randint(0, 50, (1, 3), generator=gen)
+    chunk, lead = 5, 2
+    got = reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat, chunk=chunk, lead=lead,
+                                surprisal=True)
+    T = ctx.shape[1]
+    ref = torch.zeros(1, T)
+    for s in range(0, T, chunk):
+        before, piece = ctx[:, max(0, s - lead):s], ctx[:, s:s + chunk]
+        ids = torch.cat([ctx, repeat, before, piece], dim=1)
+        with torch.no_grad():
+            logp = model(input_ids=ids).logits.float().log_softmax(-1)
+        head = T + 3 + before.shape[1]
+        ref[:, s:s + piece.shape[1]] = -logp[:, head - 1: head - 1 + piece.shape[1]].gather(-1, piece[..., None])[..., 0]
+    torch.testing.assert_close(got.surprisal, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_states_bias_and_layers_subset():
@@ -116,6 +156,8 @@ def test_bad_inputs():
         reconstruction_scores(model, kv, ctx, repeat_ids=rep, subsample=0.0)
     with pytest.raises(ValueError, match="layers"):
         reconstruction_scores(model, kv, ctx, repeat_ids=rep, layers=[7])
+    with pytest.raises(ValueError, match="lead=-1"):
+        reconstruction_scores(model, kv, ctx, repeat_ids=rep, lead=-1)
     assert model.config._attn_implementation == "eager"
 
 

@@ -26,7 +26,7 @@ QUERY_SAMPLES = 64  # reconstruction queries kept per layer (extras["reconstruct
 
 
 def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = DEFAULT_CHUNK,
-                          subsample: float = 1.0, surprisal: bool = False) -> float:
+                          subsample: float = 1.0, surprisal: bool = False, lead: int = 0) -> float:
     """Run the pass over ``snapshot`` (once: a second call returns 0.0) and attach the scores to its
     states (stats["reconstruction"] [B, H, T], extras["reconstruction_queries"], the per-head copy
     scores extras["reconstruction_copy"] [B, H]); with
@@ -34,7 +34,7 @@ def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = 
     as extras["surprisal"] [B, T], the same tensor in every layer. Returns seconds.
 
     The repeat prompt is the one a live cache uses (``CompressedCache.for_model`` registers
-    ``prefill_hook(tokenizer)``): the tokenizer's chat template when it has one, whatever template
+    ``prefill_hook(tokenizer)``; ``lead``: ``reconstruction_scores``'s): the tokenizer's chat template when it has one, whatever template
     the evaluated prompt itself used, so that a figure measured here is the figure of real use."""
     seconds = 0.0
     require(model is not None, "model", None, "the model (the reconstruction pass runs it over the context)")
@@ -49,7 +49,7 @@ def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = 
     require(tokenizer is not None, "tokenizer", None, "the tokenizer (to build the repeat prompt)")
     repeat = repeat_prompt_ids(tokenizer)
     rec = reconstruction_scores(model, snapshot.states, snapshot.token_ids, repeat_ids=repeat, chunk=chunk,
-                                subsample=subsample, query_samples=QUERY_SAMPLES)
+                                subsample=subsample, query_samples=QUERY_SAMPLES, lead=lead)
     seconds += rec.seconds
     for i, st in enumerate(snapshot.states):
         extras = dict(st.extras)

@@ -216,7 +216,7 @@ class _Pass:
 def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_ids: Tensor,
                           chunk: int = DEFAULT_CHUNK, subsample: float = 1.0,
                           layers: Sequence[int] | None = None, attention_mask: Tensor | None = None,
-                          query_samples: int = 0, surprisal: bool = False) -> Reconstruction:
+                          query_samples: int = 0, surprisal: bool = False, lead: int = 0) -> Reconstruction:
     """Reconstruction importance of every cached slot, per layer and KV head.
 
     model:          a transformers causal LM (Llama-family: ``model.model.layers[i].self_attn``)
@@ -234,6 +234,13 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     surprisal:      also return each context token's surprisal under the pass (``token_surprisal``
                     of the last hidden states: the lm_head over the context positions, no extra
                     forward); needs every layer (``layers`` None or holding the last one)
+    lead:           L > 0: every chunk but the first is preceded (after the repeat prompt) by the L
+                    context tokens before it, teacher forced, so that its first tokens are reproduced
+                    mid-stream; without it they come right after the prompt, before the model has found
+                    where it copies from, and their sources score low for where they are (a fact at a
+                    chunk's start is ranked down: results/issue18-s16dev). The lead-in's queries count
+                    in the scores like the prompt's; the copy score and the surprisal read the chunk's
+                    own positions. 0: the chunks as KVzip feeds them
     """
     require(model is not None and hasattr(model, "model") and hasattr(model.model, "layers"), "model",
             type(model).__name__, "a transformers decoder model with .model.layers (model access is required: "
@@ -252,6 +259,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     check_int("chunk", chunk, 1)
     check_range("subsample", subsample, 0.0, 1.0, lo_open=True)
     check_int("query_samples", query_samples, 0)
+    check_int("lead", lead, 0)
     scored = set(range(num_layers)) if layers is None else set(int(i) for i in layers)
     require(len(scored) > 0 and all(0 <= i < num_layers for i in scored), "layers", layers,
             f"None or a non-empty list of layer indices in [0, {num_layers})")
@@ -267,7 +275,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     P = repeat.shape[1]
     start_pos = max(n for _, _, _, n in kv)  # the pass sits after every token seen
     starts = _chunk_starts(T, chunk, subsample)
-    total_q = sum(P + min(chunk, T - s) for s in starts)
+    total_q = sum(P + min(lead, s) + min(chunk, T - s) for s in starts)
     run = _Pass(kv, scored, query_samples, total_q)
 
     from transformers import AttentionInterface
@@ -291,23 +299,25 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
         with torch.inference_mode():
             for s in starts:
                 piece = context_ids[:, s: s + chunk]
-                ids = torch.cat([repeat, piece], dim=1)  # [B, P + m]
+                before = context_ids[:, s - min(lead, s): s]  # the lead-in, [B, L'] (none for the first)
+                ids = torch.cat([repeat, before, piece], dim=1)  # [B, P + L' + m]
+                head = P + before.shape[1]  # queries before the chunk's own
                 q = ids.shape[1]
                 pos = torch.arange(start_pos, start_pos + q, device=device)[None].expand(B, q)
                 if attention_mask is not None:
-                    real = attention_mask[:, s: s + chunk].to(device=device, dtype=torch.bool)
+                    real = attention_mask[:, s - before.shape[1]: s + chunk].to(device=device, dtype=torch.bool)
                     run.query_valid = torch.cat([torch.ones(B, P, dtype=torch.bool, device=device), real], 1)
                 else:
                     run.query_valid = None
-                run.prompt, run.start = P, s
+                run.prompt, run.start = head, s
                 try:
                     out = model.model(input_ids=ids.clamp(min=0), position_ids=pos, use_cache=False)
                 except _StopForward:
                     out = None
                 if sur is not None:
-                    # position P - 1 + j predicts the chunk's token j (the repeat prompt's last token the first)
+                    # position head - 1 + j predicts the chunk's token j (the prompt's or lead-in's last the first)
                     m = piece.shape[1]
-                    hidden = out.last_hidden_state[:, P - 1: P - 1 + m]
+                    hidden = out.last_hidden_state[:, head - 1: head - 1 + m]
                     sur[:, s: s + m] = token_surprisal(model.get_output_embeddings(), hidden, piece)
                 run.offset += q
                 run.copy_count += run.context_valid(q).sum(-1)
@@ -330,7 +340,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
             if run.queries[i]:
                 queries[i] = torch.cat(run.queries[i], dim=2)[:, :, :query_samples]
     return Reconstruction(scores=scores, queries=queries, seconds=seconds, tokens=fed, chunks=len(starts),
-                          meta={"chunk": chunk, "subsample": subsample, "prompt_tokens": P,
+                          meta={"chunk": chunk, "subsample": subsample, "prompt_tokens": P, "lead": lead,
                                 "layers": sorted(scored), "context_tokens": T}, surprisal=sur, copy=copy)
 
 

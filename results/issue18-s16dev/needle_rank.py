@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--preset", default="kvzip-copy-heads-banded")
     ap.add_argument("--chunk", type=int, default=0, help="reconstruction chunk (and the guard's band); 0: the default")
+    ap.add_argument("--lead", type=int, default=0, help="the pass's lead-in before each chunk (reconstruction_scores)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model()
@@ -80,8 +81,9 @@ def main():
         return r
 
     imp.select_sentences, imp.ranks01 = observed, observed_ranks
-    if a.chunk:  # the pass with other chunk boundaries, attached before copy_for (which then reuses it)
-        attach_reconstruction(model, tok, snap, chunk=a.chunk, surprisal=True)
+    if a.chunk or a.lead:  # the pass with other chunks or a lead-in, attached before copy_for (which reuses it)
+        attach_reconstruction(model, tok, snap, chunk=a.chunk or imp.RECONSTRUCTION_CHUNK, lead=a.lead,
+                              surprisal=True)
     try:
         copy = copy_for(model, tok, snap, cfg, marks=spans)
     finally:
