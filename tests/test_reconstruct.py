@@ -82,27 +82,6 @@ def test_a_lead_in_before_each_chunk_equals_the_reference_with_it(chunk, lead):
     assert got.meta["lead"] == lead
 
 
-def test_a_lead_in_keeps_the_surprisal_of_each_token_its_own_prediction():
-    """With a lead-in the position before chunk token j is still the one that predicts it."""
-    model = tiny_llama()
-    gen = torch.Generator().manual_seed(7)
-    ctx = torch.randint(0, 50, (1, 13), generator=gen)
-    repeat = torch.randint(0, 50, (1, 3), generator=gen)
-    chunk, lead = 5, 2
-    got = reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat, chunk=chunk, lead=lead,
-                                surprisal=True)
-    T = ctx.shape[1]
-    ref = torch.zeros(1, T)
-    for s in range(0, T, chunk):
-        before, piece = ctx[:, max(0, s - lead):s], ctx[:, s:s + chunk]
-        ids = torch.cat([ctx, repeat, before, piece], dim=1)
-        with torch.no_grad():
-            logp = model(input_ids=ids).logits.float().log_softmax(-1)
-        head = T + 3 + before.shape[1]
-        ref[:, s:s + piece.shape[1]] = -logp[:, head - 1: head - 1 + piece.shape[1]].gather(-1, piece[..., None])[..., 0]
-    torch.testing.assert_close(got.surprisal, ref, atol=1e-4, rtol=1e-4)
-
-
 def test_states_bias_and_layers_subset():
     model = tiny_llama()
     gen = torch.Generator().manual_seed(2)
@@ -212,23 +191,25 @@ def test_token_surprisal_in_row_blocks_equals_one_block():
             torch.testing.assert_close(token_surprisal(head, hidden, tgt, rows=rows), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [5, 64])
-def test_pass_surprisal_equals_full_forward_logits(chunk):
-    """The pass's own surprisal (a measured alternative): position P - 1 + j of a chunk's fresh
-    full forward (context + repeat + chunk) predicts the chunk's token j."""
+@pytest.mark.parametrize("chunk, lead", [(5, 0), (64, 0), (5, 2)])
+def test_pass_surprisal_equals_full_forward_logits(chunk, lead):
+    """The pass's own surprisal (a measured alternative): the position before a chunk's token j in a
+    fresh full forward (context + repeat + the lead-in + chunk) predicts it."""
     model = tiny_llama()
     gen = torch.Generator().manual_seed(6)
     ctx = torch.randint(0, 50, (2, 17), generator=gen)
     repeat = torch.randint(0, 50, (1, 3), generator=gen)
-    got = reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat, chunk=chunk, surprisal=True)
+    got = reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat, chunk=chunk, surprisal=True,
+                                lead=lead)
     B, T = ctx.shape
     ref = torch.zeros(B, T)
     for s in range(0, T, chunk):
-        piece = ctx[:, s:s + chunk]
-        ids = torch.cat([ctx, repeat.expand(B, -1), piece], dim=1)
+        before, piece = ctx[:, max(0, s - lead):s], ctx[:, s:s + chunk]
+        ids = torch.cat([ctx, repeat.expand(B, -1), before, piece], dim=1)
         with torch.no_grad():
             logp = model(input_ids=ids).logits.float().log_softmax(-1)
-        rows = logp[:, T + 3 - 1: T + 3 - 1 + piece.shape[1]]
+        head = T + 3 + before.shape[1]
+        rows = logp[:, head - 1: head - 1 + piece.shape[1]]
         ref[:, s:s + piece.shape[1]] = -rows.gather(-1, piece[..., None])[..., 0]
     torch.testing.assert_close(got.surprisal, ref, atol=1e-4, rtol=1e-4)
     assert reconstruction_scores(model, prefill_kv(model, ctx), ctx, repeat_ids=repeat).surprisal is None
