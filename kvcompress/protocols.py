@@ -32,6 +32,10 @@ class Needs:
                        (e.g. a reconstruction scorer); implies ``all_layers``
     surprisal:         that pass also records each context token's surprisal (-log p of the token
                        as the pass predicts it) -> ``extras["surprisal"]`` [B, T]; implies ``model_pass``
+    pass_lead:         L > 0: that pass gives every chunk after the first a lead-in of the L context
+                       tokens before it (``reconstruction_scores(lead=L)``), so a chunk's first tokens
+                       are scored mid-copy; implies ``model_pass``. Two strategies asking for different
+                       lead-ins get the longer one
     """
 
     query_window: int = 0
@@ -40,13 +44,15 @@ class Needs:
     all_layers: bool = False
     model_pass: bool = False
     surprisal: bool = False
+    pass_lead: int = 0
 
     def __post_init__(self):
         check_int("query_window", self.query_window, 0)
         check_int("reference_queries", self.reference_queries, 0)
+        check_int("pass_lead", self.pass_lead, 0)
         for name in ("attention", "all_layers", "model_pass", "surprisal"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        if self.surprisal and not self.model_pass:
+        if (self.surprisal or self.pass_lead) and not self.model_pass:
             object.__setattr__(self, "model_pass", True)
         if self.model_pass and not self.all_layers:
             object.__setattr__(self, "all_layers", True)
@@ -60,6 +66,7 @@ class Needs:
             all_layers=self.all_layers or other.all_layers,
             model_pass=self.model_pass or other.model_pass,
             surprisal=self.surprisal or other.surprisal,
+            pass_lead=max(self.pass_lead, other.pass_lead),
         )
 
     @classmethod

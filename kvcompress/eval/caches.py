@@ -38,6 +38,8 @@ class Snapshot:
     states:    one KVState per layer, keys/values [B, H, T, D]; extras may hold "queries"
                [B, Hq, W, D] and "reference_queries" [B, Hq, R, D], stats "attn_acc" [B, H, T]
     token_ids: [B, T] long
+    passes:    the reconstruction passes run over it, by their parameters (``attach_reconstruction``:
+               each runs once however many methods read it)
     """
 
     states: list
@@ -45,6 +47,7 @@ class Snapshot:
     vocab: tuple | None
     geometry: object
     backend: str
+    passes: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -27,15 +27,17 @@ QUERY_SAMPLES = 64  # reconstruction queries kept per layer (extras["reconstruct
 
 def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = DEFAULT_CHUNK,
                           subsample: float = 1.0, surprisal: bool = False, lead: int = 0) -> float:
-    """Run the pass over ``snapshot`` (once: a second call returns 0.0) and attach the scores to its
-    states (stats["reconstruction"] [B, H, T], extras["reconstruction_queries"], the per-head copy
-    scores extras["reconstruction_copy"] [B, H]); with
-    ``surprisal``, also each context token's prefill surprisal (``prefill_surprisal``, once)
-    as extras["surprisal"] [B, T], the same tensor in every layer. Returns seconds.
+    """Attach the pass's scores to ``snapshot``'s states (stats["reconstruction"] [B, H, T],
+    extras["reconstruction_queries"], the per-head copy scores extras["reconstruction_copy"] [B, H]),
+    running it first unless a pass with these parameters already ran over the snapshot
+    (``snapshot.passes``); with ``surprisal``, also each context token's prefill surprisal
+    (``prefill_surprisal``, once) as extras["surprisal"] [B, T], the same tensor in every layer.
+    Returns the seconds spent (0.0 when nothing had to run).
 
     The repeat prompt is the one a live cache uses (``CompressedCache.for_model`` registers
-    ``prefill_hook(tokenizer)``; ``lead``: ``reconstruction_scores``'s): the tokenizer's chat template when it has one, whatever template
-    the evaluated prompt itself used, so that a figure measured here is the figure of real use."""
+    ``prefill_hook(tokenizer)``; ``chunk``, ``subsample``, ``lead``: ``reconstruction_scores``'s): the
+    tokenizer's chat template when it has one, whatever template the evaluated prompt itself used,
+    so that a figure measured here is the figure of real use."""
     seconds = 0.0
     require(model is not None, "model", None, "the model (the reconstruction pass runs it over the context)")
     if surprisal and SURPRISAL_KEY not in snapshot.states[0].extras:
@@ -44,15 +46,16 @@ def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = 
         seconds += time.perf_counter() - start
         for i, st in enumerate(snapshot.states):
             snapshot.states[i] = st.replace(extras={**st.extras, SURPRISAL_KEY: sur})
-    if STATS_KEY in snapshot.states[0].stats:
-        return seconds
-    require(tokenizer is not None, "tokenizer", None, "the tokenizer (to build the repeat prompt)")
-    repeat = repeat_prompt_ids(tokenizer)
-    rec = reconstruction_scores(model, snapshot.states, snapshot.token_ids, repeat_ids=repeat, chunk=chunk,
-                                subsample=subsample, query_samples=QUERY_SAMPLES, lead=lead)
-    seconds += rec.seconds
+    key = (chunk, float(subsample), lead)
+    rec = snapshot.passes.get(key)
+    if rec is None:
+        require(tokenizer is not None, "tokenizer", None, "the tokenizer (to build the repeat prompt)")
+        rec = reconstruction_scores(model, snapshot.states, snapshot.token_ids, repeat_ids=repeat_prompt_ids(tokenizer),
+                                    chunk=chunk, subsample=subsample, query_samples=QUERY_SAMPLES, lead=lead)
+        seconds += rec.seconds
+        snapshot.passes[key] = rec
     for i, st in enumerate(snapshot.states):
-        extras = dict(st.extras)
+        extras = {k: v for k, v in st.extras.items() if k != QUERIES_KEY}
         if rec.queries[i] is not None:
             extras[QUERIES_KEY] = rec.queries[i]
         extras[COPY_KEY] = rec.copy[i]
@@ -80,7 +83,7 @@ def copy_for(model, tokenizer, snapshot: Snapshot, config: PipelineConfig, *, pr
         copy = compressed_copy(model, _without_pass(snapshot), config, protect=protect, marks=marks)
         copy.reconstruct_s = 0.0
         return copy
-    seconds = attach_reconstruction(model, tokenizer, snapshot, surprisal=needs.surprisal)
+    seconds = attach_reconstruction(model, tokenizer, snapshot, surprisal=needs.surprisal, lead=needs.pass_lead)
     copy = compressed_copy(model, snapshot, config, protect=protect, marks=marks)
     copy.reconstruct_s = seconds
     return copy

@@ -362,7 +362,7 @@ def token_surprisal(head, hidden: Tensor, targets: Tensor, rows: int = LOGIT_ROW
 
 def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor | None = None,
                  chunk: int = DEFAULT_CHUNK, subsample: float = 1.0, layers: Sequence[int] | None = None,
-                 query_samples: int = 64):
+                 query_samples: int = 64, lead: int | None = None):
     """A ``fn(cache, model)`` for ``CompressedCache.add_prefill_hook``: at the prefill's end, before
     the compression, run the pass over the cache's states and write the scores as the per-slot
     statistic ``"reconstruction"`` (and the sampled queries as ``extras["reconstruction_queries"]``;
@@ -370,9 +370,13 @@ def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor
     surprisal (``prefill_surprisal``) as ``extras["surprisal"]`` [B, T], the same tensor in every layer).
 
     tokenizer / chat: build the repeat prompt (``repeat_prompt_ids``), unless ``repeat_ids`` is given.
+    lead: the chunks' lead-in (``reconstruction_scores``); None: what the cache's pipeline asks for
+          (``Needs.pass_lead``).
     """
     require(repeat_ids is not None or tokenizer is not None, "tokenizer", None,
             "a tokenizer (to build the repeat prompt) or repeat_ids")
+    if lead is not None:
+        check_int("lead", lead, 0)
     prompt = repeat_ids if repeat_ids is not None else repeat_prompt_ids(tokenizer, chat)
 
     def hook(cache, model) -> None:
@@ -384,7 +388,8 @@ def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor
         if first.seq_start is not None and bool((first.seq_start > 0).any()):
             mask = (torch.arange(ids.shape[1], device=ids.device)[None] >= first.seq_start[:, None]).long()
         res = reconstruction_scores(model, states, ids, repeat_ids=prompt, chunk=chunk, subsample=subsample,
-                                    layers=layers, attention_mask=mask, query_samples=query_samples)
+                                    layers=layers, attention_mask=mask, query_samples=query_samples,
+                                    lead=cache.scheduler.needs.pass_lead if lead is None else lead)
         scores = [s if s is not None else torch.zeros_like(st.log_sizes) for s, st in zip(res.scores, states)]
         cache.set_stats(STATS_KEY, scores)
         cache.set_extras(COPY_KEY, [c if c is not None else torch.zeros_like(st.log_sizes[..., 0])

@@ -41,6 +41,8 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   to its reconstruction chunk (``BAND``), so the distance the pass copied it from does not rank it,
   and its allowances sized at keep ``ALLOWANCE_KEEP`` at most (a larger budget's extra slots go to
   SnapKV's window choice).
+- ``kvzip-copy-heads-lead``: kvzip-copy-heads-banded whose reconstruction pass gives every chunk a
+  lead-in of ``PASS_LEAD`` context tokens (guard ``lead``), so a chunk's first tokens are scored mid-copy.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -75,6 +77,9 @@ BAND = RECONSTRUCTION_CHUNK
 # ... and its allowances sized at keep 0.25 at most: the facts targets' budget; above it the extra slots go to
 # SnapKV's window choice (PG 4k keep 0.5, window s1: KL 0.0159 -> 0.0047; dev pydoc: results/issue18-s14)
 ALLOWANCE_KEEP = 0.25
+# kvzip-copy-heads-lead: the pass's lead-in, context tokens teacher-forced before each chunk (32 lifted both
+# chunk-start needles tried into the guard's choice, 128 gained nothing more: results/issue18-s16dev)
+PASS_LEAD = 32
 
 
 def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
@@ -227,6 +232,18 @@ def kvzip_copy_heads_banded() -> PipelineConfig:
     return base.replace(name="kvzip-copy-heads-banded",
                         guards=(StrategySpec(guard.name, {**guard.params, "band": BAND,
                                                           "allowance_keep": ALLOWANCE_KEEP}),))
+
+
+@register_preset("kvzip-copy-heads-lead")
+def kvzip_copy_heads_lead() -> PipelineConfig:
+    """kvzip-copy-heads-banded with a lead-in for the reconstruction pass (guard ``lead``): every
+    chunk after the first is reproduced after the ``PASS_LEAD`` context tokens before it, so its
+    first tokens are copied mid-stream; without it a fact at a chunk's start ranks low for where it
+    sits (4k, distractor numbers: 0 of 5 such needles kept over three seeds, full cache 5 of 5)."""
+    base = kvzip_copy_heads_banded()
+    (guard,) = base.guards
+    return base.replace(name="kvzip-copy-heads-lead",
+                        guards=(StrategySpec(guard.name, {**guard.params, "lead": PASS_LEAD}),))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:

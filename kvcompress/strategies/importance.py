@@ -210,6 +210,11 @@ class ImportanceGuard:
             sentences or more reconstruction-ranked tokens. The importance signal finds the facts
             a small cache must hold; once they fit, what the continuation needs next is read
             better from the window queries (dev, results/issue18-s14)
+    lead:   the lead-in the reconstruction pass gives every chunk after the first (``Needs.pass_lead``;
+            0: KVzip's chunks, none). The pass feeds "repeat prompt + chunk", so a chunk's first
+            tokens are reproduced before the model has found where in the context it is copying
+            from, and a fact at a chunk's start is ranked down for where it sits (results/issue18-s16dev);
+            with the L tokens before the chunk teacher-forced first, its tokens are copied mid-stream
     ends:   characters that end a sentence
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
@@ -224,7 +229,7 @@ class ImportanceGuard:
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
                  copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
                  query_heads: float = 1.0, band: int = 0, allowance_keep: float | None = None,
-                 ends: Sequence[str] = SENTENCE_ENDS):
+                 lead: int = 0, ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         if allowance_keep is not None:
             check_range("allowance_keep", allowance_keep, 0.0, 1.0, lo_open=True)
@@ -237,6 +242,8 @@ class ImportanceGuard:
         self.query_heads = float(query_heads)
         check_int("band", band, 0)
         self.band = int(band)
+        check_int("lead", lead, 0)
+        self.lead = int(lead)
         if other_token_share is not None:
             check_range("other_token_share", other_token_share, 0.0, 1.0)
             require(other_token_share + window_share <= 1.0 + 1e-9, "other_token_share", other_token_share,
@@ -270,11 +277,11 @@ class ImportanceGuard:
                 f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
                 f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
                 f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band}, "
-                f"allowance_keep={self.allowance_keep})")
+                f"allowance_keep={self.allowance_keep}, lead={self.lead})")
 
     @property
     def needs(self) -> Needs:
-        return Needs(model_pass=True, surprisal=self.surprisal > 0,
+        return Needs(model_pass=True, surprisal=self.surprisal > 0, pass_lead=self.lead,
                      query_window=QUERY_WINDOW if self.query_share > 0 else 0)
 
     def prepared_for(self, state: KVState) -> bool:

@@ -15,7 +15,7 @@ import json
 import torch
 
 import kvcompress.strategies.importance as imp
-from kvcompress.eval.caches import Recorder
+from kvcompress.eval.caches import Recorder, compressed_copy
 from kvcompress.eval.data import Haystack, load_haystack_text, token_span
 from kvcompress.eval.facts import fact_samples
 from kvcompress.eval.greedy import build_prompt
@@ -81,11 +81,13 @@ def main():
         return r
 
     imp.select_sentences, imp.ranks01 = observed, observed_ranks
-    if a.chunk or a.lead:  # the pass with other chunks or a lead-in, attached before copy_for (which reuses it)
-        attach_reconstruction(model, tok, snap, chunk=a.chunk or imp.RECONSTRUCTION_CHUNK, lead=a.lead,
-                              surprisal=True)
     try:
-        copy = copy_for(model, tok, snap, cfg, marks=spans)
+        if a.chunk or a.lead:  # the pass with other chunks or a lead-in, attached before the copy
+            attach_reconstruction(model, tok, snap, chunk=a.chunk or imp.RECONSTRUCTION_CHUNK, lead=a.lead,
+                                  surprisal=True)
+            copy = compressed_copy(model, snap, cfg, marks=spans)
+        else:
+            copy = copy_for(model, tok, snap, cfg, marks=spans)
     finally:
         imp.select_sentences, imp.ranks01 = real, real_ranks
     guard = copy.cache.pipeline.guards[0]
