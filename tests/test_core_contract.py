@@ -63,6 +63,16 @@ def test_needs_union_and_model_pass_implies_all_layers():
         Needs(query_window=-1)
 
 
+def test_a_pass_lead_implies_the_pass_and_the_longer_lead_wins():
+    assert Needs(pass_lead=8).model_pass and Needs(pass_lead=8).all_layers
+    assert not Needs(pass_lead=0).model_pass
+    assert (Needs(pass_lead=8) | Needs(pass_lead=32, attention=True)).pass_lead == 32
+    assert (Needs(model_pass=True) | Needs()).pass_lead == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="pass_lead"):
+            Needs(pass_lead=bad)
+
+
 @dataclass(frozen=True)
 class _NeedyGuard:
     """Protects nothing; declares that it needs reference queries and the attention received."""

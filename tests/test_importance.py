@@ -173,6 +173,11 @@ def test_guard_needs_reconstruction_and_bad_params():
         ImportanceGuard(share=1.5)
     with pytest.raises(ValueError, match="reduce"):
         ImportanceGuard(reduce="middle")
+    with pytest.raises(ValueError, match="lead"):
+        ImportanceGuard(lead=-1)
+    assert ImportanceGuard(lead=24).needs.pass_lead == 24 and ImportanceGuard().needs.pass_lead == 0
+    assert Pipeline(get_preset("kvzip-copy-heads-lead")).needs.pass_lead == 32
+    assert Pipeline(get_preset("kvzip-copy-heads-banded")).needs.pass_lead == 0
     with pytest.raises(ValueError, match="head_budget"):
         get_preset("kvzip", **{"clusterer.head_budget": "weird"})
         Pipeline(get_preset("kvzip", **{"clusterer.head_budget": "weird"}))

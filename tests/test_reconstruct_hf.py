@@ -210,3 +210,51 @@ def test_live_cache_and_eval_give_the_same_prefill_surprisal(model, tok):
         res = kvcompress.generate(model, tok, TEXT, preset, budget=0.25, max_new_tokens=3, question="What is",
                                   backend="sdpa", recent=8)
         assert res.report["budget_met"], (preset, res.report.get("budget_note"))
+
+
+def test_a_pipelines_pass_lead_reaches_the_live_pass_and_the_eval(model, tok):
+    """A pipeline asking for a lead-in (``Needs.pass_lead``, guard ``lead``) gets it from the live
+    cache's prefill hook and from the eval's pass, equal to ``reconstruction_scores(lead=L)``; the
+    eval keeps one pass per parameters, so a method without the lead still reads the plain pass."""
+    from kvcompress.eval.caches import Recorder
+    from kvcompress.eval.methods import Method
+    from kvcompress.eval.reconstruction import copy_for
+    from kvcompress.hf import CompressedCache
+    from kvcompress.hf.generate import cache_kwarg
+    from kvcompress.hf.reconstruct import DEFAULT_CHUNK, STATS_KEY
+
+    ids = torch.tensor([(tok(TEXT, add_special_tokens=False)["input_ids"] * 8)[: DEFAULT_CHUNK + 100]])
+    plain = CompressedCache.for_model(model, tok, None, backend="sdpa")
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): plain})
+    states = plain.states()
+    plain.close()
+    refs = {lead: reconstruction_scores(model, states, ids, repeat_ids=repeat_prompt_ids(tok), lead=lead).scores
+            for lead in (0, 32)}
+    # the lead-in moves the scores ~1-2 % on this tiny model: far outside the tolerance the checks below use
+    assert not torch.allclose(refs[0][0], refs[32][0], rtol=1e-4, atol=1e-6)
+
+    seen = {}
+    live = CompressedCache.for_model(model, tok, "kvzip-copy-heads-lead", backend="sdpa", keep_ratio=0.5, recent=8)
+    live.add_prefill_hook(lambda cache, m: seen.update(s=[st.stats[STATS_KEY].clone() for st in cache.states()]))
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): live})
+    live.close()
+    for got, want in zip(seen["s"], refs[32]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+    lead_cfg = Method.parse("kvzip-copy-heads-lead").config(0.5)
+    plain_cfg = Method.parse("kvzip").config(0.5)
+    rec = Recorder.for_configs(model, tok, [lead_cfg, plain_cfg], backend="sdpa")
+    try:
+        rec.feed(ids)
+        snap = rec.snapshot()
+    finally:
+        rec.close()
+    for cfg, lead, ran in ((lead_cfg, 32, True), (plain_cfg, 0, True), (lead_cfg, 32, False), (plain_cfg, 0, False)):
+        copy = copy_for(model, tok, snap, cfg)
+        assert (copy.reconstruct_s > 0) == ran, (cfg.name, lead)
+        for st, want in zip(snap.states, refs[lead]):
+            torch.testing.assert_close(st.stats[STATS_KEY], want, rtol=1e-4, atol=1e-6)
+        copy.cache.close()
+    assert sorted(key[-1] for key in snap.passes) == [0, 32]
