@@ -13,6 +13,7 @@ counts and every slot that is not fitted stay bit for bit."""
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from conftest import CORE_SETTINGS
 from kvcompress.attention import proportional_attention
+from kvcompress.strategies import fitted as FD
 from kvcompress.strategies.fitted import FittedMerger, ProportionalRounds, _differs_from
 from kvcompress.types import KVState
 from slow_reference import fitting_v0 as REF
@@ -59,28 +61,33 @@ def _same_bookkeeping(a: KVState, b: KVState, merged: KVState) -> None:
         assert x.dtype == y.dtype and torch.equal(torch.isfinite(x), torch.isfinite(y)), name
 
 
-def _same(a: KVState, b: KVState, merged: KVState) -> None:
+def _same(a: KVState, b: KVState, merged: KVState, tol: float = TOL) -> None:
     _same_bookkeeping(a, b, merged)
     for name in ("keys", "values", "log_sizes"):
         x, y = getattr(a, name), getattr(b, name)
         fin = torch.isfinite(y)
         x, y = x.double()[fin], y.double()[fin]
-        assert float((x - y).abs().max()) <= TOL * max(float(y.abs().max()), 1e-30), name
+        assert float((x - y).abs().max()) <= tol * max(float(y.abs().max()), 1e-30), name
 
 
 @given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(8, 64),
        D=st.sampled_from([4, 8, 16]), G=st.integers(1, 3), R=st.integers(1, 12), size=st.integers(2, 5),
        spread=st.sampled_from([0.05, 0.5, 2.0]), key=st.sampled_from(["mean", "attention"]),
        power=st.sampled_from([1.0, 2.0]), ridge=st.sampled_from([0.0, 1.0]), refine=st.integers(0, 4),
-       share=st.sampled_from([0.1, 0.25, 1.0]), stride=st.integers(1, 2), pad=st.booleans(), identical=st.booleans())
-@settings(CORE_SETTINGS, max_examples=60)
+       share=st.sampled_from([0.1, 0.25, 1.0]), stride=st.integers(1, 2), pad=st.booleans(), identical=st.booleans(),
+       split=st.sampled_from([0.0, 1.0]))
+@settings(CORE_SETTINGS, max_examples=80)
 def test_refit_is_the_session_9_fit_within_rounding(seed, B, H, N, D, G, R, size, spread, key, power, ridge, refine,
-                                                share, stride, pad, identical):
+                                                share, stride, pad, identical, split):
+    """split: the fit's rows from the staying slots' sums (SPLIT_SHARE 1.0: always; 0.0: never, every
+    slot in the N-wide passes as session 9 had it)."""
     state, parent = _state(seed, B, H, N, D, G, R, size, spread, torch.float32, pad, identical)
     m = FittedMerger(queries="prefill", key=key, power=power, ridge=ridge, refine=refine, refine_share=share,
                      query_stride=stride)
     merged = ProportionalRounds()(state, parent)
-    got, ref = m.refit(state, parent, merged), REF.refit(m, state, parent, merged)
+    with mock.patch.object(FD, "SPLIT_SHARE", split):
+        got = m.refit(state, parent, merged)
+    ref = REF.refit(m, state, parent, merged)
     if refine == 0:
         _same(got, ref, merged)
     else:
@@ -103,7 +110,11 @@ def test_half_precision_caches_too(dtype, share):
         state, parent = _state(seed, 1, 2, 48, 8, 2, 8, 4, 0.5, dtype, seed == 1, seed == 2)
         m = FittedMerger(queries="prefill", refine_share=share)
         merged = ProportionalRounds()(state, parent)
-        _same(m.refit(state, parent, merged), REF.refit(m, state, parent, merged), merged)
+        # the float32 fit differs from session 9's by rounding (since session 18 the rows sum the
+        # slots that stay as the merge's slots, not as their members): cast to a half type, such a
+        # difference can flip the last bit, one ulp of the cache's dtype and no more
+        _same(m.refit(state, parent, merged), REF.refit(m, state, parent, merged), merged,
+              tol=max(TOL, torch.finfo(dtype).eps))
 
 
 @given(seed=st.integers(0, 10_000), D=st.sampled_from([1, 2, 3, 5, 8, 64]),

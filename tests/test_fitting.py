@@ -136,6 +136,30 @@ def test_fit_clusters_equals_the_slow_per_cluster_loop(seed, B, H, N, M, D, P, p
     assert bool(torch.isfinite(got.keys).all() and torch.isfinite(got.values).all() and torch.isfinite(got.bias).all())
 
 
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), N=st.integers(3, 40),
+       M=st.integers(1, 8), D=st.sampled_from([2, 4, 8]), P=st.integers(1, 12), pad=st.integers(0, 3),
+       power=st.sampled_from([1.0, 2.0]), key=st.sampled_from(["mean", "attention"]), out=st.floats(0.1, 0.9))
+@settings(CORE_SETTINGS, max_examples=60)
+def test_slots_summed_apart_count_in_the_rows_as_when_passed(seed, B, H, N, M, D, P, pad, power, key, out):
+    """fit_clusters(others, rest=row_part(apart)) equals fit_clusters(all) to float32 rounding, when the
+    slots set apart belong to no cluster (the staying slots of a merge): they count in every row's
+    mass and output either way. The set-apart slots' rows are padding in ``others`` and vice versa."""
+    pad = min(pad, N - 1)
+    keys, values, bias, cluster, queries, pk, pv, pb = _case(seed, B, H, N, M, D, P, pad, False)
+    scale = 1 / math.sqrt(D)
+    g = torch.Generator().manual_seed(seed + 1)
+    apart = (cluster < 0) & (torch.rand(B, H, N, generator=g) < out)
+    whole = fit_clusters(keys, values, bias, cluster, queries, pk, pv, pb, scale=scale, power=power, key=key)
+    rest = row_part(keys, values, bias.masked_fill(~apart, -math.inf), queries, scale)
+    split = fit_clusters(keys, values, bias.masked_fill(apart, -math.inf), cluster, queries, pk, pv, pb,
+                         scale=scale, power=power, key=key, rest=rest)
+    present = torch.zeros(B, H, M + 1, dtype=torch.bool).scatter_(-1, torch.where(cluster >= 0, cluster, M), True)[..., :M]
+    for got, want in ((split.keys, whole.keys), (split.values, whole.values), (split.bias, whole.bias)):
+        got, want = got[present].double(), want[present].double()
+        assert float(_top((got - want).abs())) <= 1e-4 * (1 + float(_top(want.abs())))
+    assert float((split.targets - whole.targets).abs().max()) <= 1e-5 * (1 + float(whole.targets.abs().max()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @given(seed=st.integers(0, 10_000))
 @settings(CORE_SETTINGS, max_examples=20)

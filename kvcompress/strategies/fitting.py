@@ -249,6 +249,7 @@ def fit_clusters(
     power: float = 1.0,
     ridge: float = 1.0,
     key: str = "mean",
+    rest: RowPart | None = None,
 ) -> FitResult:
     """Fit one slot per cluster to the cluster's attention over reference queries.
 
@@ -261,6 +262,10 @@ def fit_clusters(
                   sizes) the fit shrinks toward; prior_keys are the keys attention will use
                   with key="mean"
     scale:        logit scale (1/sqrt(D) for most models)
+    rest:         the rows' part of slots of the cache NOT passed here (``row_part``: slots that stay
+                  as they are, e.g. the merge's exact singletons): they count in every row's mass and
+                  output, so the caller that has their part already passes only the other slots
+                  (the clusters' members and the dropped ones) and the N-wide passes shrink
     """
     B, H, N, D = keys.shape
     M = prior_bias.shape[-1]
@@ -281,9 +286,14 @@ def fit_clusters(
     # one shift per query row (its top logit): e = exp(s - top) in [0, 1] serves the rows' mass,
     # their output and every cluster's mass; a cluster below TINY of the top is unseen by that query
     top = _max_over_slots(s)  # [B, H, 1, P]
+    if rest is not None:
+        top = torch.maximum(top, rest.top[:, :, None])
     top = torch.where(top > NEG_INF, top, 0.0)  # a row of padding only
     e = _exp_(s.sub_(top), _dead_rows(bias))  # [B, H, N, P], 0 for padding
     z = e.sum(2)  # [B, H, P], >= 1 (0: a row of padding only)
+    if rest is not None:  # the other slots' terms against this top
+        shift = (rest.top - top[:, :, 0]).exp_()  # [B, H, P], 0 where they are unseen
+        z.add_(rest.mass * shift)
     e_flat = e.view(rows * N, P)
 
     # flat cluster row of every slot; dropped slots and padding go to one dummy row at the end
@@ -312,7 +322,10 @@ def fit_clusters(
         norm, n_eff, inv = _weights(share, power, "norm")  # [B, H, M, P], [B, H, M], [B, H, M, 1]
     alpha = _shrink(n_eff, ridge)  # [B, H, M]
     # the full rows' outputs O_r [B, H, P, D] (a row of padding only: no output)
-    row_out = _numerators(e, v32).div_(zc[..., None])
+    row_out = _numerators(e, v32)
+    if rest is not None:
+        row_out.add_(rest.num * shift[..., None])
+    row_out.div_(zc[..., None])
     if separable:
         # a_i: the attention slot i receives, summed over the queries; per cluster sum_i a_i k_i
         # and sum_i a_i v_i, one scatter each ([B*H*M, D] sums: keys then values; sum_i a_i = sum_r share_r)
