@@ -16,7 +16,7 @@ clusters uses; for kvzip-copy-heads-fitted, whose clusterer is its own, the plai
 timed directly (FittedMerger.fit_plan inside the fitted run) and as the difference fitted - twin.
 Cross-layer guards' prepare runs outside the timing (the same in both). Medians of the repeats; load recorded.
 --variants: ';'-separated merger overrides of the fitted presets ("preset" = as registered)."""
-import argparse, json, os, platform, resource, statistics, subprocess, sys, time
+import argparse, inspect, json, os, platform, resource, statistics, subprocess, sys, time
 sys.path.insert(0, ".")
 import torch
 from kvcompress.hf.loading import load_model
@@ -78,7 +78,9 @@ def timed_fit(self, state, parent, merged, **kw):
     f, c = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
     if use_old[0]:
         from dataclasses import asdict
-        out = OLD.FittedMerger(**asdict(self)).fit_plan(state, parent, merged)
+        # an old pair from session 16 on (main dce3317's, session 18) takes ``owned`` as the pipeline passes it
+        takes = "owned" in inspect.signature(OLD.FittedMerger.fit_plan).parameters
+        out = OLD.FittedMerger(**asdict(self)).fit_plan(state, parent, merged, **(kw if takes else {}))
     else:
         out = orig(self, state, parent, merged, **kw)
     fit_clock[0] += time.thread_time() - c
