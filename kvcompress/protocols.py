@@ -36,6 +36,9 @@ class Needs:
                        tokens before it (``reconstruction_scores(lead=L)``), so a chunk's first tokens
                        are scored mid-copy; implies ``model_pass``. Two strategies asking for different
                        lead-ins get the longer one
+    pass_aligned:      that pass places every chunk where one full repeat of the context would
+                       (``reconstruction_scores(aligned=True)``), so every chunk is copied from the
+                       same distance; implies ``model_pass``. One strategy asking for it is enough
     """
 
     query_window: int = 0
@@ -45,14 +48,15 @@ class Needs:
     model_pass: bool = False
     surprisal: bool = False
     pass_lead: int = 0
+    pass_aligned: bool = False
 
     def __post_init__(self):
         check_int("query_window", self.query_window, 0)
         check_int("reference_queries", self.reference_queries, 0)
         check_int("pass_lead", self.pass_lead, 0)
-        for name in ("attention", "all_layers", "model_pass", "surprisal"):
+        for name in ("attention", "all_layers", "model_pass", "surprisal", "pass_aligned"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        if (self.surprisal or self.pass_lead) and not self.model_pass:
+        if (self.surprisal or self.pass_lead or self.pass_aligned) and not self.model_pass:
             object.__setattr__(self, "model_pass", True)
         if self.model_pass and not self.all_layers:
             object.__setattr__(self, "all_layers", True)
@@ -67,6 +71,7 @@ class Needs:
             model_pass=self.model_pass or other.model_pass,
             surprisal=self.surprisal or other.surprisal,
             pass_lead=max(self.pass_lead, other.pass_lead),
+            pass_aligned=self.pass_aligned or other.pass_aligned,
         )
 
     @classmethod

@@ -63,6 +63,16 @@ def test_needs_union_and_model_pass_implies_all_layers():
         Needs(query_window=-1)
 
 
+def test_an_aligned_pass_implies_the_pass_and_one_asking_is_enough():
+    assert Needs(pass_aligned=True).model_pass and Needs(pass_aligned=True).all_layers
+    assert not Needs().pass_aligned and not Needs().model_pass
+    assert (Needs(pass_aligned=True) | Needs(pass_lead=8)).pass_aligned
+    assert not (Needs(model_pass=True) | Needs(pass_lead=8)).pass_aligned
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="pass_aligned"):
+            Needs(pass_aligned=bad)
+
+
 def test_a_pass_lead_implies_the_pass_and_the_longer_lead_wins():
     assert Needs(pass_lead=8).model_pass and Needs(pass_lead=8).all_layers
     assert not Needs(pass_lead=0).model_pass

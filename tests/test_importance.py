@@ -176,6 +176,9 @@ def test_guard_needs_reconstruction_and_bad_params():
     with pytest.raises(ValueError, match="lead"):
         ImportanceGuard(lead=-1)
     assert ImportanceGuard(lead=24).needs.pass_lead == 24 and ImportanceGuard().needs.pass_lead == 0
+    assert ImportanceGuard(aligned=True).needs.pass_aligned and not ImportanceGuard().needs.pass_aligned
+    with pytest.raises(ValueError, match="aligned"):
+        ImportanceGuard(aligned=1)
     assert Pipeline(get_preset("kvzip-copy-heads-lead")).needs.pass_lead == 32
     assert Pipeline(get_preset("kvzip-copy-heads-banded")).needs.pass_lead == 0
     with pytest.raises(ValueError, match="head_budget"):

@@ -27,10 +27,11 @@ def prefill_kv(model, ids):
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
-def reference(model, ctx, repeat, chunk, starts=None, lead=0):
+def reference(model, ctx, repeat, chunk, starts=None, lead=0, aligned=False):
     """Per layer [B, H, T]: for each chunk, a fresh full forward over context + repeat (+ the lead
     context tokens before the chunk) + chunk with eager attention; max over the pass's queries and
-    the group's heads of the full softmax."""
+    the group's heads of the full softmax. aligned: the pass's tokens at the positions one full
+    repeat would give them (the chunk's token i at T + P + s + i), capped at the model's limit."""
     B, T = ctx.shape
     H = model.config.num_key_value_heads
     G = model.config.num_attention_heads // H
@@ -38,8 +39,12 @@ def reference(model, ctx, repeat, chunk, starts=None, lead=0):
     starts = list(range(0, T, chunk)) if starts is None else starts
     for s in starts:
         ids = torch.cat([ctx, repeat.expand(B, -1), ctx[:, max(0, s - lead):s], ctx[:, s:s + chunk]], dim=1)
+        L = ids.shape[1]
+        shift = s - min(lead, s) if aligned else 0
+        shift = max(0, min(shift, model.config.max_position_embeddings - L))
+        pos = torch.cat([torch.arange(T), torch.arange(T + shift, L + shift)])[None].expand(B, -1)
         with torch.no_grad():
-            att = model(input_ids=ids, output_attentions=True).attentions
+            att = model(input_ids=ids, position_ids=pos, output_attentions=True).attentions
         for layer, a in enumerate(att):  # a: [B, Hq, L, L]
             rows = a[:, :, T:, :T]  # queries of the pass, cached columns
             per_kv = rows.reshape(B, H, G, rows.shape[2], T).amax(dim=(2, 3))
@@ -80,6 +85,33 @@ def test_a_lead_in_before_each_chunk_equals_the_reference_with_it(chunk, lead):
     assert all(not torch.allclose(g, p, atol=1e-4) for g, p in zip(got.copy, plain.copy))
     assert got.tokens == sum(3 + min(lead, s) + min(chunk, 19 - s) for s in range(0, 19, chunk))
     assert got.meta["lead"] == lead
+
+
+@pytest.mark.parametrize("chunk, lead, limit", [(4, 0, 256), (5, 2, 256), (7, 7, 256), (4, 2, 30)])
+def test_aligned_chunks_equal_the_reference_at_full_repeat_positions(chunk, lead, limit):
+    """aligned=True: every chunk at the positions one full repeat gives it (limit 30 < T + P + T = 41:
+    the later chunks shift less, no position past the model's max_position_embeddings)."""
+    model = tiny_llama()
+    model.config.max_position_embeddings = limit
+    gen = torch.Generator().manual_seed(3)
+    ctx = torch.randint(0, 50, (2, 19), generator=gen)
+    repeat = torch.randint(0, 50, (1, 3), generator=gen)
+    kv = prefill_kv(model, ctx)
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(int(kw["position_ids"].max())),
+                                                 with_kwargs=True)
+    try:
+        got = reconstruction_scores(model, kv, ctx, repeat_ids=repeat, chunk=chunk, lead=lead, aligned=True)
+    finally:
+        hook.remove()
+    assert max(seen) <= limit - 1 and (limit < 41 or max(seen) == 19 + 3 + 18)
+    for g, r in zip(got.scores, reference(model, ctx, repeat, chunk, lead=lead, aligned=True)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+    plain = reconstruction_scores(model, kv, ctx, repeat_ids=repeat, chunk=chunk, lead=lead)
+    assert all(not torch.allclose(g, p, atol=1e-5) for g, p in zip(got.scores, plain.scores))
+    assert got.meta["aligned"] is True and plain.meta["aligned"] is False
+    with pytest.raises(ValueError, match="aligned"):
+        reconstruction_scores(model, kv, ctx, repeat_ids=repeat, aligned=1)
 
 
 def test_states_bias_and_layers_subset():

@@ -212,10 +212,11 @@ def test_live_cache_and_eval_give_the_same_prefill_surprisal(model, tok):
         assert res.report["budget_met"], (preset, res.report.get("budget_note"))
 
 
-def test_a_pipelines_pass_lead_reaches_the_live_pass_and_the_eval(model, tok):
-    """A pipeline asking for a lead-in (``Needs.pass_lead``, guard ``lead``) gets it from the live
-    cache's prefill hook and from the eval's pass, equal to ``reconstruction_scores(lead=L)``; the
-    eval keeps one pass per parameters, so a method without the lead still reads the plain pass."""
+def test_a_pipelines_pass_parameters_reach_the_live_pass_and_the_eval(model, tok):
+    """A pipeline asking for a lead-in (``Needs.pass_lead``, guard ``lead``) or for the chunks at their
+    full-repeat positions (``Needs.pass_aligned``, guard ``aligned``) gets them from the live cache's
+    prefill hook and from the eval's pass, equal to ``reconstruction_scores(lead=L, aligned=A)``; the
+    eval keeps one pass per parameters, so a method without them still reads the plain pass."""
     from kvcompress.eval.caches import Recorder
     from kvcompress.eval.methods import Method
     from kvcompress.eval.reconstruction import copy_for
@@ -229,32 +230,35 @@ def test_a_pipelines_pass_lead_reaches_the_live_pass_and_the_eval(model, tok):
         model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): plain})
     states = plain.states()
     plain.close()
-    refs = {lead: reconstruction_scores(model, states, ids, repeat_ids=repeat_prompt_ids(tok), lead=lead).scores
-            for lead in (0, 32)}
-    # the lead-in moves the scores ~1-2 % on this tiny model: far outside the tolerance the checks below use
-    assert not torch.allclose(refs[0][0], refs[32][0], rtol=1e-4, atol=1e-6)
+    passes = {"kvzip": (0, False), "kvzip-copy-heads-lead": (32, False), "kvzip-copy-heads-aligned": (32, True)}
+    refs = {p: reconstruction_scores(model, states, ids, repeat_ids=repeat_prompt_ids(tok), lead=lead,
+                                     aligned=aligned).scores for p, (lead, aligned) in passes.items()}
+    # each parameter moves the scores (~1-2 % on this tiny model): far outside the tolerance used below
+    assert not torch.allclose(refs["kvzip"][0], refs["kvzip-copy-heads-lead"][0], rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(refs["kvzip-copy-heads-lead"][0], refs["kvzip-copy-heads-aligned"][0], rtol=1e-4, atol=1e-6)
 
-    seen = {}
-    live = CompressedCache.for_model(model, tok, "kvzip-copy-heads-lead", backend="sdpa", keep_ratio=0.5, recent=8)
-    live.add_prefill_hook(lambda cache, m: seen.update(s=[st.stats[STATS_KEY].clone() for st in cache.states()]))
-    with torch.inference_mode():
-        model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): live})
-    live.close()
-    for got, want in zip(seen["s"], refs[32]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    for preset in ("kvzip-copy-heads-lead", "kvzip-copy-heads-aligned"):
+        seen = {}
+        live = CompressedCache.for_model(model, tok, preset, backend="sdpa", keep_ratio=0.5, recent=8)
+        live.add_prefill_hook(lambda cache, m: seen.update(s=[st.stats[STATS_KEY].clone() for st in cache.states()]))
+        with torch.inference_mode():
+            model.base_model(input_ids=ids, use_cache=True, **{cache_kwarg(model.base_model): live})
+        live.close()
+        for got, want in zip(seen["s"], refs[preset]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
-    lead_cfg = Method.parse("kvzip-copy-heads-lead").config(0.5)
-    plain_cfg = Method.parse("kvzip").config(0.5)
-    rec = Recorder.for_configs(model, tok, [lead_cfg, plain_cfg], backend="sdpa")
+    cfgs = {p: Method.parse(p).config(0.5) for p in passes}
+    rec = Recorder.for_configs(model, tok, list(cfgs.values()), backend="sdpa")
     try:
         rec.feed(ids)
         snap = rec.snapshot()
     finally:
         rec.close()
-    for cfg, lead, ran in ((lead_cfg, 32, True), (plain_cfg, 0, True), (lead_cfg, 32, False), (plain_cfg, 0, False)):
-        copy = copy_for(model, tok, snap, cfg)
-        assert (copy.reconstruct_s > 0) == ran, (cfg.name, lead)
-        for st, want in zip(snap.states, refs[lead]):
-            torch.testing.assert_close(st.stats[STATS_KEY], want, rtol=1e-4, atol=1e-6)
-        copy.cache.close()
-    assert sorted(key[-1] for key in snap.passes) == [0, 32]
+    for ran in (True, False):
+        for preset, cfg in cfgs.items():
+            copy = copy_for(model, tok, snap, cfg)
+            assert (copy.reconstruct_s > 0) == ran, preset
+            for st, want in zip(snap.states, refs[preset]):
+                torch.testing.assert_close(st.stats[STATS_KEY], want, rtol=1e-4, atol=1e-6)
+            copy.cache.close()
+    assert sorted(key[2:] for key in snap.passes) == sorted(passes.values())

@@ -26,7 +26,8 @@ QUERY_SAMPLES = 64  # reconstruction queries kept per layer (extras["reconstruct
 
 
 def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = DEFAULT_CHUNK,
-                          subsample: float = 1.0, surprisal: bool = False, lead: int = 0) -> float:
+                          subsample: float = 1.0, surprisal: bool = False, lead: int = 0,
+                          aligned: bool = False) -> float:
     """Attach the pass's scores to ``snapshot``'s states (stats["reconstruction"] [B, H, T],
     extras["reconstruction_queries"], the per-head copy scores extras["reconstruction_copy"] [B, H]),
     running it first unless a pass with these parameters already ran over the snapshot
@@ -35,7 +36,7 @@ def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = 
     Returns the seconds spent (0.0 when nothing had to run).
 
     The repeat prompt is the one a live cache uses (``CompressedCache.for_model`` registers
-    ``prefill_hook(tokenizer)``; ``chunk``, ``subsample``, ``lead``: ``reconstruction_scores``'s): the
+    ``prefill_hook(tokenizer)``; ``chunk``, ``subsample``, ``lead``, ``aligned``: ``reconstruction_scores``'s): the
     tokenizer's chat template when it has one, whatever template the evaluated prompt itself used,
     so that a figure measured here is the figure of real use."""
     seconds = 0.0
@@ -46,12 +47,13 @@ def attach_reconstruction(model, tokenizer, snapshot: Snapshot, *, chunk: int = 
         seconds += time.perf_counter() - start
         for i, st in enumerate(snapshot.states):
             snapshot.states[i] = st.replace(extras={**st.extras, SURPRISAL_KEY: sur})
-    key = (chunk, float(subsample), lead)
+    key = (chunk, float(subsample), lead, aligned)
     rec = snapshot.passes.get(key)
     if rec is None:
         require(tokenizer is not None, "tokenizer", None, "the tokenizer (to build the repeat prompt)")
         rec = reconstruction_scores(model, snapshot.states, snapshot.token_ids, repeat_ids=repeat_prompt_ids(tokenizer),
-                                    chunk=chunk, subsample=subsample, query_samples=QUERY_SAMPLES, lead=lead)
+                                    chunk=chunk, subsample=subsample, query_samples=QUERY_SAMPLES, lead=lead,
+                                    aligned=aligned)
         seconds += rec.seconds
         snapshot.passes[key] = rec
     for i, st in enumerate(snapshot.states):
@@ -83,7 +85,8 @@ def copy_for(model, tokenizer, snapshot: Snapshot, config: PipelineConfig, *, pr
         copy = compressed_copy(model, _without_pass(snapshot), config, protect=protect, marks=marks)
         copy.reconstruct_s = 0.0
         return copy
-    seconds = attach_reconstruction(model, tokenizer, snapshot, surprisal=needs.surprisal, lead=needs.pass_lead)
+    seconds = attach_reconstruction(model, tokenizer, snapshot, surprisal=needs.surprisal, lead=needs.pass_lead,
+                                    aligned=needs.pass_aligned)
     copy = compressed_copy(model, snapshot, config, protect=protect, marks=marks)
     copy.reconstruct_s = seconds
     return copy

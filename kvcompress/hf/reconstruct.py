@@ -216,7 +216,8 @@ class _Pass:
 def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_ids: Tensor,
                           chunk: int = DEFAULT_CHUNK, subsample: float = 1.0,
                           layers: Sequence[int] | None = None, attention_mask: Tensor | None = None,
-                          query_samples: int = 0, surprisal: bool = False, lead: int = 0) -> Reconstruction:
+                          query_samples: int = 0, surprisal: bool = False, lead: int = 0,
+                          aligned: bool = False) -> Reconstruction:
     """Reconstruction importance of every cached slot, per layer and KV head.
 
     model:          a transformers causal LM (Llama-family: ``model.model.layers[i].self_attn``)
@@ -241,6 +242,14 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                     chunk's start is ranked down: results/issue18-s16dev). The lead-in's queries count
                     in the scores like the prompt's; the copy score and the surprisal read the chunk's
                     own positions. 0: the chunks as KVzip feeds them
+    aligned:        every chunk at the positions one full repeat of the context would give it (its token
+                    i at start + P + s + i, the repeat prompt and the lead-in just before), so every
+                    chunk is copied from the same distance. Without it every chunk sits right after the
+                    cache and chunk k is copied from ~T - s: the last from the nearest, where every
+                    token's copy attention is high and a fact stands out no more (PG 2k: the last band's
+                    median importance 5x the first's; a needle at depth 0.9 ranked 29th-52nd of ~200
+                    sentences, aligned 13th-25th; results/issue18-s18). Positions then reach ~2T + P:
+                    capped at the model's ``max_position_embeddings`` (the last chunks shift less)
     """
     require(model is not None and hasattr(model, "model") and hasattr(model.model, "layers"), "model",
             type(model).__name__, "a transformers decoder model with .model.layers (model access is required: "
@@ -260,6 +269,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     check_range("subsample", subsample, 0.0, 1.0, lo_open=True)
     check_int("query_samples", query_samples, 0)
     check_int("lead", lead, 0)
+    require(isinstance(aligned, bool), "aligned", aligned, "True or False")
     scored = set(range(num_layers)) if layers is None else set(int(i) for i in layers)
     require(len(scored) > 0 and all(0 <= i < num_layers for i in scored), "layers", layers,
             f"None or a non-empty list of layer indices in [0, {num_layers})")
@@ -274,6 +284,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
     repeat = repeat_ids.to(device).expand(B, -1)
     P = repeat.shape[1]
     start_pos = max(n for _, _, _, n in kv)  # the pass sits after every token seen
+    max_pos = getattr(model.config, "max_position_embeddings", None)
     starts = _chunk_starts(T, chunk, subsample)
     total_q = sum(P + min(lead, s) + min(chunk, T - s) for s in starts)
     run = _Pass(kv, scored, query_samples, total_q)
@@ -303,7 +314,10 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                 ids = torch.cat([repeat, before, piece], dim=1)  # [B, P + L' + m]
                 head = P + before.shape[1]  # queries before the chunk's own
                 q = ids.shape[1]
-                pos = torch.arange(start_pos, start_pos + q, device=device)[None].expand(B, q)
+                shift = s - before.shape[1] if aligned else 0  # the chunk's place in one full repeat
+                if aligned and max_pos is not None:
+                    shift = max(0, min(shift, max_pos - start_pos - q))
+                pos = torch.arange(start_pos + shift, start_pos + shift + q, device=device)[None].expand(B, q)
                 if attention_mask is not None:
                     real = attention_mask[:, s - before.shape[1]: s + chunk].to(device=device, dtype=torch.bool)
                     run.query_valid = torch.cat([torch.ones(B, P, dtype=torch.bool, device=device), real], 1)
@@ -341,6 +355,7 @@ def reconstruction_scores(model, states_or_kv, context_ids: Tensor, *, repeat_id
                 queries[i] = torch.cat(run.queries[i], dim=2)[:, :, :query_samples]
     return Reconstruction(scores=scores, queries=queries, seconds=seconds, tokens=fed, chunks=len(starts),
                           meta={"chunk": chunk, "subsample": subsample, "prompt_tokens": P, "lead": lead,
+                                "aligned": aligned,
                                 "layers": sorted(scored), "context_tokens": T}, surprisal=sur, copy=copy)
 
 
@@ -362,7 +377,7 @@ def token_surprisal(head, hidden: Tensor, targets: Tensor, rows: int = LOGIT_ROW
 
 def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor | None = None,
                  chunk: int = DEFAULT_CHUNK, subsample: float = 1.0, layers: Sequence[int] | None = None,
-                 query_samples: int = 64, lead: int | None = None):
+                 query_samples: int = 64, lead: int | None = None, aligned: bool | None = None):
     """A ``fn(cache, model)`` for ``CompressedCache.add_prefill_hook``: at the prefill's end, before
     the compression, run the pass over the cache's states and write the scores as the per-slot
     statistic ``"reconstruction"`` (and the sampled queries as ``extras["reconstruction_queries"]``;
@@ -372,11 +387,15 @@ def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor
     tokenizer / chat: build the repeat prompt (``repeat_prompt_ids``), unless ``repeat_ids`` is given.
     lead: the chunks' lead-in (``reconstruction_scores``); None: what the cache's pipeline asks for
           (``Needs.pass_lead``).
+    aligned: the chunks at their full-repeat positions (``reconstruction_scores``); None: what the cache's
+          pipeline asks for (``Needs.pass_aligned``).
     """
     require(repeat_ids is not None or tokenizer is not None, "tokenizer", None,
             "a tokenizer (to build the repeat prompt) or repeat_ids")
     if lead is not None:
         check_int("lead", lead, 0)
+    if aligned is not None:
+        require(isinstance(aligned, bool), "aligned", aligned, "True, False or None")
     prompt = repeat_ids if repeat_ids is not None else repeat_prompt_ids(tokenizer, chat)
 
     def hook(cache, model) -> None:
@@ -389,7 +408,8 @@ def prefill_hook(tokenizer=None, *, chat: bool | None = None, repeat_ids: Tensor
             mask = (torch.arange(ids.shape[1], device=ids.device)[None] >= first.seq_start[:, None]).long()
         res = reconstruction_scores(model, states, ids, repeat_ids=prompt, chunk=chunk, subsample=subsample,
                                     layers=layers, attention_mask=mask, query_samples=query_samples,
-                                    lead=cache.scheduler.needs.pass_lead if lead is None else lead)
+                                    lead=cache.scheduler.needs.pass_lead if lead is None else lead,
+                                    aligned=cache.scheduler.needs.pass_aligned if aligned is None else aligned)
         scores = [s if s is not None else torch.zeros_like(st.log_sizes) for s, st in zip(res.scores, states)]
         cache.set_stats(STATS_KEY, scores)
         cache.set_extras(COPY_KEY, [c if c is not None else torch.zeros_like(st.log_sizes[..., 0])

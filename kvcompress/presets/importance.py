@@ -43,6 +43,8 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   SnapKV's window choice).
 - ``kvzip-copy-heads-lead``: kvzip-copy-heads-banded whose reconstruction pass gives every chunk a
   lead-in of ``PASS_LEAD`` context tokens (guard ``lead``), so a chunk's first tokens are scored mid-copy.
+- ``kvzip-copy-heads-aligned``: kvzip-copy-heads-lead whose pass places every chunk where one full repeat
+  of the context would (guard ``aligned``), so every chunk is copied from the same distance.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -246,6 +248,17 @@ def kvzip_copy_heads_lead() -> PipelineConfig:
                         guards=(StrategySpec(guard.name, {**guard.params, "lead": PASS_LEAD}),))
 
 
+@register_preset("kvzip-copy-heads-aligned")
+def kvzip_copy_heads_aligned() -> PipelineConfig:
+    """kvzip-copy-heads-lead with the reconstruction pass's chunks at their full-repeat positions (guard
+    ``aligned``): every chunk copied from the same distance, so a fact near the context's end is not
+    drowned by the high copy attention every token of the nearest chunk gets (results/issue18-s18)."""
+    base = kvzip_copy_heads_lead()
+    (guard,) = base.guards
+    return base.replace(name="kvzip-copy-heads-aligned",
+                        guards=(StrategySpec(guard.name, {**guard.params, "aligned": True}),))
+
+
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:
     snapkv = {"name": "snapkv", "params": {"kernel_size": SNAPKV_KERNEL, "pooling": "max"}}
     return PipelineConfig(
@@ -254,3 +267,4 @@ def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:
         merger=StrategySpec("d2o", {"threshold": None, "beta": D2O_BETA, "proportional": True}),
         guards=(guard,), query_window=SNAPKV_WINDOW, proportional_attention=True,
     )
+

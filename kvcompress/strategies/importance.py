@@ -215,6 +215,11 @@ class ImportanceGuard:
             tokens are reproduced before the model has found where in the context it is copying
             from, and a fact at a chunk's start is ranked down for where it sits (results/issue18-s16dev);
             with the L tokens before the chunk teacher-forced first, its tokens are copied mid-stream
+    aligned: the reconstruction pass places every chunk where one full repeat of the context would
+            (``Needs.pass_aligned``; False: every chunk right after the cache, as KVzip's chunks). There
+            the last chunk is copied from the nearest text, every token of it with high attention, and a
+            fact near the context's end stands out no more: a needle at depth 0.9 ranked 29th-52nd of ~200
+            sentences, 13th-25th aligned (PG 2k, results/issue18-s18)
     ends:   characters that end a sentence
 
     Sentences are picked best first while their tokens (those not protected anyway: sinks, recent
@@ -229,7 +234,7 @@ class ImportanceGuard:
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
                  copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
                  query_heads: float = 1.0, band: int = 0, allowance_keep: float | None = None,
-                 lead: int = 0, ends: Sequence[str] = SENTENCE_ENDS):
+                 lead: int = 0, aligned: bool = False, ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         if allowance_keep is not None:
             check_range("allowance_keep", allowance_keep, 0.0, 1.0, lo_open=True)
@@ -244,6 +249,8 @@ class ImportanceGuard:
         self.band = int(band)
         check_int("lead", lead, 0)
         self.lead = int(lead)
+        require(isinstance(aligned, bool), "aligned", aligned, "True or False")
+        self.aligned = aligned
         if other_token_share is not None:
             check_range("other_token_share", other_token_share, 0.0, 1.0)
             require(other_token_share + window_share <= 1.0 + 1e-9, "other_token_share", other_token_share,
@@ -277,11 +284,11 @@ class ImportanceGuard:
                 f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
                 f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
                 f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band}, "
-                f"allowance_keep={self.allowance_keep}, lead={self.lead})")
+                f"allowance_keep={self.allowance_keep}, lead={self.lead}, aligned={self.aligned})")
 
     @property
     def needs(self) -> Needs:
-        return Needs(model_pass=True, surprisal=self.surprisal > 0, pass_lead=self.lead,
+        return Needs(model_pass=True, surprisal=self.surprisal > 0, pass_lead=self.lead, pass_aligned=self.aligned,
                      query_window=QUERY_WINDOW if self.query_share > 0 else 0)
 
     def prepared_for(self, state: KVState) -> bool:
