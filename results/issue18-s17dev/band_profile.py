@@ -2,7 +2,8 @@
 
 For one eval sample this runs a preset as the eval does and prints, per 512-token reconstruction band, the
 sentences' mean importance rank (banded median reconstruction importance, in [0, 1]), mean surprisal rank, and the
-share chosen by the ranking, with the needle's band marked. Diagnosis only (the guard's calls observed through
+share chosen by the ranking, with the needle's band marked; since session 18 also the needle's sentences' place in
+the ranking (descending score among the eligible sentences) and the lowest score the ranking chose. Diagnosis only (the guard's calls observed through
 wrappers installed for this run).
 
     python results/issue18-s17dev/band_profile.py --kind number --length 2048 --depth 0.9 --sample 0 --seed 0
@@ -61,7 +62,7 @@ def main():
 
     def observed(score, lengths, allowance, eligible):
         chosen = real_select(score, lengths, allowance, eligible)
-        calls.append({"eligible": eligible.clone(), "chosen": chosen.clone()})
+        calls.append({"eligible": eligible.clone(), "chosen": chosen.clone(), "score": score.clone()})
         return chosen
 
     def observed_ranks(x, eligible):
@@ -69,11 +70,19 @@ def main():
         ranked.append(r.clone())
         return r
 
-    imp.select_sentences, imp.ranks01 = observed, observed_ranks
+    raw = []
+    real_importance = imp.token_importance
+
+    def observed_importance(states, num_tokens):
+        x = real_importance(states, num_tokens)
+        raw.append(x.clone())
+        return x
+
+    imp.select_sentences, imp.ranks01, imp.token_importance = observed, observed_ranks, observed_importance
     try:
         copy = copy_for(model, tok, snap, cfg, marks=spans)
     finally:
-        imp.select_sentences, imp.ranks01 = real_select, real_ranks
+        imp.select_sentences, imp.ranks01, imp.token_importance = real_select, real_ranks, real_importance
     guard = copy.cache.pipeline.guards[0]
     sid = imp.sentence_ids(guard._ids, snap.vocab, guard.ends)[0]  # [T]
     T = sid.shape[0]
@@ -94,8 +103,29 @@ def main():
                      "surprisal_rank01": round(float(sur_r[m].mean()), 3) if n else None,
                      "chosen_by_rank": round(float(chosen[m].float().mean()), 3) if n else None,
                      "chosen_by_window": int(window_chosen[(band == b)].sum())})
-    out = {"sample": sample.sample_id, "seed": a.seed, "tokens": T, "needle_tokens": [a0, a1],
-           "kept_share_of_needle_tokens": float(guard._keep[0, a0:a1].float().mean()), "bands": rows}
+    # session 18: where the needle's sentences stand in the ranking (descending score among the eligible ones)
+    score = calls[-1]["score"][0]
+    order = torch.where(elig, score, float("-inf")).argsort(descending=True)
+    place = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    picked = chosen & elig
+    needle = []
+    for i in sid[a0:a1].unique().tolist():
+        needle.append({"sentence": i, "band": int(band[i]), "eligible": bool(elig[i]), "chosen": bool(chosen[i]),
+                       "by_window": bool(window_chosen[i]), "importance_rank01": round(float(imp_r[i]), 3),
+                       "surprisal_rank01": round(float(sur_r[i]), 3), "score": round(float(score[i]), 4),
+                       "place": int(place[i]), "of": int(elig.sum())})
+    # the token importance before the band division (summed over layers and heads): per band and the needle's
+    x = raw[0][0].float()
+    k = torch.arange(x.shape[0]) // imp.RECONSTRUCTION_CHUNK
+    for row in rows:
+        v = x[k == row["band"]]
+        row["raw_median"] = round(float(v.median()), 4) if v.numel() else None
+        row["raw_p90"] = round(float(v.quantile(0.9)), 4) if v.numel() else None
+    raw_needle = {"median": round(float(x[a0:a1].median()), 4), "max": round(float(x[a0:a1].max()), 4)}
+    out = {"sample": sample.sample_id, "seed": a.seed, "tokens": T, "needle_tokens": [a0, a1], "needle_raw": raw_needle,
+           "kept_share_of_needle_tokens": float(guard._keep[0, a0:a1].float().mean()), "bands": rows,
+           "needle_sentences": needle, "chosen_by_rank": int(picked.sum()),
+           "lowest_chosen_score": round(float(score[picked].min()), 4) if bool(picked.any()) else None}
     copy.cache.close()
     print(json.dumps(out, indent=1))
 

@@ -1,0 +1,14 @@
+#!/bin/bash
+# issue 18, session 18 (diagnosis only): aligned_rank.py on the depth-0.9 misses and their depth-0.7 twins.
+cd /work/main
+O=results/issue18-s18
+for spec in "09-number-2k-s0-1:--depth 0.9 --kind number --sample 1 --seed 0" \
+            "09-distractors-2k-s0-1:--depth 0.9 --kind number-fact --distractors --sample 1 --seed 0" \
+            "09-distractors-2k-s0-0:--depth 0.9 --kind number-fact --distractors --sample 0 --seed 0" \
+            "09-word-2k-s1-0:--depth 0.9 --kind code-word --sample 0 --seed 1" \
+            "07-number-2k-s0-1:--depth 0.7 --kind number --sample 1 --seed 0" \
+            "07-word-2k-s1-0:--depth 0.7 --kind code-word --sample 0 --seed 1"; do
+    name=${spec%%:*}; args=${spec#*:}
+    nice -n 5 env HF_HUB_OFFLINE=1 PYTHONPATH=/work/main .venv/bin/python $O/aligned_rank.py --preset kvzip-copy-heads-lead \
+        --length 2048 $args > $O/aligned$name.json 2> $O/aligned$name.err
+done
