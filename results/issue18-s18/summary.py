@@ -35,7 +35,7 @@ def facts(task: str, seed: int) -> dict:
     if lead:
         got[LEAD] = lead
     aligned = {}
-    for extra in (HERE / f"aligned-{task}-s{seed}", HERE / f"aligned-{task}-d09-s{seed}"):
+    for extra in sorted(HERE.glob(f"aligned-{task}-*s{seed}")) + [HERE / f"aligned-{task}-s{seed}"]:  # -dDEPTHS- parts
         aligned.update(cells(extra / "cells.jsonl").get(ALIGNED, {}))
     if aligned:
         got[ALIGNED] = aligned
@@ -59,6 +59,15 @@ for task in TASKS:
     print(f"| {task} | " + " | ".join(f"{a}/{b}" for a, b in row.values()) + " |")
 print()
 methods = (*BASE, LEAD, ALIGNED)
+print("| keep 0.25, seeds 0-3 | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
+for task in TASKS:
+    per = [facts(task, s) for s in SEEDS]
+    if not all(len(p.get(ALIGNED, {})) == 10 for p in per):
+        continue
+    row = {m: [sum(sum(p.get(m, {}).values()) for p in per), sum(len(p.get(m, {})) for p in per)] for m in methods}
+    out.setdefault("aligned_pooled", {})[task] = row
+    print(f"| {task} | " + " | ".join(f"{a}/{b}" if b else "" for a, b in row.values()) + " |")
+print()
 print("| seed 3, keep 0.25 | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
 for task in TASKS:
     f = facts(task, 3)
