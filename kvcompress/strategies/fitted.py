@@ -254,8 +254,7 @@ class FittedMerger:
         # N-wide passes then read only the other slots, the fitted clusters' members and the dropped
         # ones (the rows count them), gathered once
         inner = (sub_cluster >= 0) | (~member & (state.log_sizes > NEG_INF))
-        in_rows, in_at, N_in, _ = _compaction(inner)
-        split = N_in <= SPLIT_SHARE * N
+        split = int(inner.sum(-1).max()) <= SPLIT_SHARE * N  # the most such slots in a head (the compaction's width)
         rest = None
         if self.refine or split:
             stay_rows, stay_at, S, _ = _compaction(~fit)
@@ -269,6 +268,7 @@ class FittedMerger:
                             queries, scale)
         fit_in = (k_in, v_in, state.log_sizes, sub_cluster)
         if split:
+            in_rows, in_at, N_in, _ = _compaction(inner)
             in_plan = _gather_plan(in_rows, in_at, rows * N_in)
             fit_in = tuple(_compact(x, in_plan, fill).view(B, H, N_in, *x.shape[3:]) for x, fill in
                            zip((k_in, v_in, state.log_sizes.float(), sub_cluster), (0.0, 0.0, NEG_INF, -1)))
