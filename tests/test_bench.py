@@ -528,3 +528,15 @@ def test_cost_bench_rejects_bad_arguments_before_the_model_loads():
         with pytest.raises(SystemExit) as exc:
             bench_cost.main(argv)
         assert exc.value.code == 2
+
+
+def test_smollm2_synthetic_has_smollm2s_geometry_and_random_weights():
+    from kvcompress.bench.sources import TINY_VOCAB, load
+
+    loaded = load("smollm2-synthetic", tokenizer=None, seed=0)
+    cfg = loaded.model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.vocab_size == len(loaded.vocab) and not loaded.prefill
+    assert loaded.vocab == TINY_VOCAB or len(loaded.vocab) == 49152  # SmolLM2's tokenizer where installed
+    assert "random weights" in loaded.description

@@ -115,3 +115,59 @@ def test_sizes_equal_repeated_tokens(causal):
     ref = proportional_attention(q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2),
                                  torch.zeros(1, 1, 5), causal=causal)
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- half-precision path
+def _slow_reference(q, k, v, ls, causal, extra_mask=None):
+    """Per query head, float64: softmax over every slot the head may see, written out plainly."""
+    B, Hq, L, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    out = torch.zeros(B, Hq, L, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            kv = h // (Hq // Hkv)
+            for i in range(L):
+                s = q[b, h, i].double() @ k[b, kv].double().T / D ** 0.5 + ls[b, kv].double()
+                if causal:
+                    s[N - L + i + 1:] = float("-inf")
+                if extra_mask is not None:
+                    s[~extra_mask[b, i]] = float("-inf")
+                out[b, h, i] = s.softmax(-1) @ v[b, kv].double()
+    return out
+
+
+@CORE_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), Hkv=st.integers(1, 2), groups=st.integers(1, 3), N=st.integers(2, 24),
+       L=st.integers(1, 4), causal=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_half_compute_dtype_matches_the_slow_reference(seed, Hkv, groups, N, L, causal, dtype):
+    L = min(L, N)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, Hkv * groups, L, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, Hkv, N, 16, generator=gen).to(dtype) for _ in range(2))
+    ls = torch.log(torch.randint(1, 6, (2, Hkv, N), generator=gen).float())
+    if N - L >= 1:
+        ls[:, :, 0] = float("-inf")  # a padding slot
+    mask = torch.rand(2, L, N, generator=gen) > 0.3
+    mask[..., N - L] = True  # a slot every query row sees, causal or not
+    ref = _slow_reference(q, k, v, ls, causal, mask)
+    out = proportional_attention(q, k, v, ls, causal=causal, extra_mask=mask, compute_dtype=dtype)
+    assert out.dtype == dtype
+    # the bias and the product are rounded to the dtype: a few units of its precision
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert ((out.double() - ref).abs() <= 8 * eps * (1 + ref.abs())).all()
+    full = proportional_attention(q, k, v, ls, causal=causal, extra_mask=mask, compute_dtype=torch.float32)
+    assert ((full.double() - ref).abs() <= eps * (1e-3 + ref.abs())).all()  # float32 math, output rounded
+
+
+def test_compute_dtype_default_and_bad_value():
+    from types import SimpleNamespace
+
+    from kvcompress.attention import native_dtype
+
+    cpu_half = torch.zeros(1, dtype=torch.bfloat16)
+    assert native_dtype(cpu_half) == torch.float32  # CPU stays exact
+    assert native_dtype(SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)) == torch.bfloat16
+    assert native_dtype(SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)) == torch.float32
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        proportional_attention(q, k, v, torch.zeros(1, 1, 4), compute_dtype=torch.int8)

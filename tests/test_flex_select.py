@@ -22,8 +22,8 @@ def clean_state(monkeypatch):
 
 
 def test_device_rules():
-    assert flex.chooser._rule("cuda", (64, 64)) == "flex"
-    assert flex.chooser._rule("cuda", (16, 16)) == "flex"  # the small-dim bug is the CPU kernel's
+    assert flex.chooser._rule("cuda", (64, 64)) == "sdpa"  # flex does not split the keys on CUDA decode
+    assert flex.chooser._rule("cuda", (16, 16)) == "sdpa"
     assert flex.chooser._rule("mps", (64, 64)) == "sdpa"
     assert flex.chooser._rule("cpu", (16, 64)) == "sdpa"
     assert flex.chooser._rule("cpu", (64, 16)) == "sdpa"

@@ -50,3 +50,15 @@ def test_max_attention_in_a_reused_scratch_is_the_same(seed, N, W, G, extra):
     q = s.extras["queries"]
     scratch = torch.full((q.numel() // q.shape[-1] * N + extra,), float("nan"))
     assert torch.equal(max_attention(s, q, scratch), max_attention(s, q))
+
+
+def test_vocabulary_lookups_answer_on_the_ids_device():
+    # the tables live on the CPU; on a GPU the ids (and everything after them) do not. The meta
+    # device stands in for CUDA here: an answer left on the CPU would mix devices downstream.
+    from kvcompress.strategies.sentences import lookup, vocab_table
+
+    table = vocab_table((" a", ".", " b", "!"), (".", "!"))
+    ids = torch.tensor([[0, 1, 2, 3, -1, 9]])
+    assert lookup(table, ids).tolist() == [[False, True, False, True, False, False]]
+    assert lookup(table, ids.to("meta")).device.type == "meta"
+    assert sentence_ids(ids.to("meta"), (" a", ".", " b", "!")).device.type == "meta"

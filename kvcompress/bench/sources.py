@@ -19,13 +19,19 @@ from ..validation import check_choice, require
 
 SMOLLM2 = "smollm2"
 LLAMA3_SYNTHETIC = "llama3-synthetic"
+SMOLLM2_SYNTHETIC = "smollm2-synthetic"
 TINY = "tiny"
-MODELS = (SMOLLM2, LLAMA3_SYNTHETIC, TINY)
+MODELS = (SMOLLM2, LLAMA3_SYNTHETIC, SMOLLM2_SYNTHETIC, TINY)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Llama-3-8B's attention and MLP geometry (the vocabulary is the tokenizer's, see synthetic_llama)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5)
+# SmolLM2-135M's geometry: timings need the shapes, not the weights (the GGUF is 94 MB and does not
+# travel to every benchmark machine)
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    max_position_embeddings=8192, tie_word_embeddings=True)
 
 # decoded token texts of the tiny model: words and the delimiters the delimiter chunker cuts at
 TINY_VOCAB = tuple(f" w{i}" for i in range(56)) + (".", ",", "\n", "?", "!", ";", ":", ".\n")
@@ -92,6 +98,13 @@ def load(name: str, *, dtype: str = "float32", synthetic_layers: int = 2, tokeni
         return LoadedModel(name, model, tok, vocab, False, time.perf_counter() - start,
                            f"{synthetic_layers} Llama-3-8B-shaped layers (hidden 4096, MLP 14336, 32 query / 8 KV "
                            f"heads, head dim 128), random weights, vocabulary {len(vocab)} (tied head), {dtype}")
+    if name == SMOLLM2_SYNTHETIC:
+        tok = tokenizer if tokenizer is not None else _smollm2_tokenizer()
+        vocab = token_texts(tok) if tok is not None else TINY_VOCAB
+        model = _llama(dict(SMOLLM2_135M, vocab_size=len(vocab)), DTYPES[dtype], seed)
+        return LoadedModel(name, model, tok, vocab, False, time.perf_counter() - start,
+                           f"SmolLM2-135M's geometry (30 layers, hidden 576, 9 query / 3 KV heads, head dim 64) "
+                           f"with random weights, vocabulary {len(vocab)} (tied head), {dtype}")
     model = tiny_llama(len(TINY_VOCAB), DTYPES[dtype], seed)
     return LoadedModel(name, model, None, TINY_VOCAB, True, time.perf_counter() - start,
                        "tiny random Llama (2 layers, hidden 64, 4 query / 2 KV heads, head dim 32) for smoke tests")

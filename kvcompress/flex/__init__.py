@@ -9,7 +9,7 @@ Three modules, each usable on its own:
   ``padding_mask``, ``bottom_right_causal``, ``compose``, ``proportional_score_mod``, ...);
 - ``kvcompress.flex.kernels``: ``flex_proportional_attention`` (one torch.compile'd
   flex_attention per signature, ``compile_count()``) and ``sdpa_proportional_attention``;
-- ``kvcompress.flex.chooser``: ``BackendChooser`` (flex on CUDA, on CPU the faster one by a
+- ``kvcompress.flex.chooser``: ``BackendChooser`` (SDPA on CUDA, on CPU the faster one by a
   probe); each cache holds its own, the functions here use a default one.
 """
 

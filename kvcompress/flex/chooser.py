@@ -1,7 +1,7 @@
 """Which proportional-attention backend a call uses: ``BackendChooser``.
 
-A chooser picks per call: FlexAttention on CUDA, SDPA on other non-CPU devices, and on CPU
-whichever was faster on a small probe (the first call of each (device, dtype, shapes, L bucket,
+A chooser picks per call: SDPA on CUDA and other non-CPU devices, and on CPU whichever was
+faster on a small probe (the first call of each (device, dtype, shapes, L bucket,
 N bucket) times both on that call's inputs; the decision is kept by the chooser). Each
 ``CompressedCache`` holds its own chooser; the module-level functions (``choose_backend``,
 ``auto_proportional_attention``, ``set_backend``) use one default chooser for direct callers.
@@ -62,9 +62,12 @@ def _bucket_key(query: Tensor, keys: Tensor) -> tuple:
 
 
 def _rule(device_type: str, head_dims: tuple[int, int]) -> str | None:
-    """The backend fixed by the device alone, or None where a probe decides (CPU)."""
-    if device_type == "cuda":
-        return "flex"
+    """The backend fixed by the device alone, or None where a probe decides (CPU).
+
+    CUDA: SDPA in the cache's dtype (``kvcompress.attention.native_dtype``). The compiled flex
+    kernel took 1.5-2.0 ms per decode query over 32k slots against SDPA's 0.04 ms (H200, torch
+    2.11, benchmarks/results/gpu_decode_probe.json): it does not split the keys across the GPU.
+    """
     if device_type != "cpu" or min(head_dims) < CPU_MIN_HEAD_DIM:
         return "sdpa"
     return None
@@ -134,7 +137,7 @@ class BackendChooser:
 
         query: [B, H_q, L, D], keys: [B, H_kv, N, D], values: [B, H_kv, N, D_v], log_sizes: [B, H_kv, N]
 
-        Order: this chooser's override, then KVCOMPRESS_ATTENTION; "flex" on CUDA; "sdpa" on other
+        Order: this chooser's override, then KVCOMPRESS_ATTENTION; "sdpa" on CUDA and other
         non-CPU devices and for CPU head dims below CPU_MIN_HEAD_DIM; on CPU the cached decision
         of this bucket (N rounded up to a power of two >= 128, L to 1 or a power of two), else a
         probe when values and log_sizes are given. The probe runs both backends PROBE_REPEATS + 1

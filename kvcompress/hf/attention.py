@@ -3,7 +3,7 @@
 Registered explicitly (``register_attention()``; ``CompressedCache.for_model`` calls it), never
 at import time:
 
-    "kvcompress"       backend chosen by the cache (FlexAttention on CUDA; on CPU the faster one)
+    "kvcompress"       backend chosen by the cache (SDPA on CUDA; on CPU the faster one)
     "kvcompress_flex"  FlexAttention through torch.compile
     "kvcompress_bias"  SDPA with an additive float32 log-size bias
 

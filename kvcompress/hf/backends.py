@@ -19,7 +19,7 @@ def _sdpa(query, keys, values, log_sizes, *, scale, causal, use_sizes):
 
 
 class Backends:
-    """backend: "auto" (the cache's chooser: flex on CUDA, on CPU the faster one by a probe),
+    """backend: "auto" (the cache's chooser: SDPA on CUDA, on CPU the faster one by a probe),
     "flex" or "sdpa". Called as the AttentionRequest's ``attend``."""
 
     def __init__(self, backend: str = "auto"):

@@ -130,7 +130,7 @@ class CompressedCache(Cache):
                      cache served by proportional attention, useful as a reference)
     num_layers:      decoder layers of the model
     vocab:           decoded text of every token id (``token_texts(tokenizer)``) for text-aware chunkers
-    backend:         "auto" (FlexAttention on CUDA, the faster one on CPU), "flex" or "sdpa"
+    backend:         "auto" (SDPA on CUDA, the faster one on CPU), "flex" or "sdpa"
     geometry:        expected KV geometry (set by ``for_model``); a mismatch is a ValueError
     sliding_windows: per layer, None (full attention: compressed) or the window of a sliding
                      layer (kept as transformers' DynamicSlidingWindowLayer)

@@ -49,10 +49,11 @@ def vocab_table(vocab: Sequence[str], chars: tuple[str, ...] | None, digits: boo
 
 
 def lookup(table: Tensor, token_ids: Tensor) -> Tensor:
-    """table[token_ids] with ids outside the table (padding -1, unknown ids) read as False."""
-    ids = token_ids.to(table.device)
-    inside = (ids >= 0) & (ids < table.numel())
-    return table[ids.clamp(0, table.numel() - 1)] & inside
+    """table[token_ids] with ids outside the table (padding -1, unknown ids) read as False, on
+    token_ids' device (the tables are built on the CPU; the [V] bool copy is cheap beside a prefill)."""
+    table = table.to(token_ids.device)
+    inside = (token_ids >= 0) & (token_ids < table.numel())
+    return table[token_ids.clamp(0, table.numel() - 1)] & inside
 
 
 def sentence_ids(token_ids: Tensor, vocab: Sequence[str], ends: tuple[str, ...] = SENTENCE_ENDS) -> Tensor:
