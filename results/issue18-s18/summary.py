@@ -47,7 +47,7 @@ def score(d: dict, keys=None) -> str:
     return f"{sum(d[k] for k in keys)}/{len(keys)}" if keys else ""
 
 
-out = {"lead_pooled": {}, "aligned_seed3": {}, "depth09": {}, "agreement": {}}
+out = {"lead_pooled": {}, "aligned_seed3": {}, "depth09": {}, "agreement": {}, "agreement-4k": {}, "fidelity-4k": {}}
 methods = (*BASE, LEAD)
 print("| keep 0.25, seeds 0-3 | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
 for task in TASKS:
@@ -90,24 +90,33 @@ for task in TASKS:
             tot[m] = (a + sum(f[m][k] for k in keys), b + len(keys))
     out["depth09"][task] = {"seeds": seeds, **{m: list(v) for m, v in tot.items()}}
     print(f"| {task} | {','.join(map(str, seeds))} | " + " | ".join(f"{a}/{b}" if b else "" for a, b in tot.values()) + " |")
-agree = HERE / "aligned-agreement-2k-s3" / "cells.jsonl"
-if agree.exists():
-    mine = {(c["sample_id"], c["budget"]): c for c in map(json.loads, agree.read_text().splitlines())}
+PAIRED = (("agreement-2k", "lcs", "LCS / 64", 1), ("agreement-4k", "lcs", "LCS / 64", 1),
+          ("fidelity-4k", "kl", "KL(full || compressed)", -1))  # sign: +1 higher is better, -1 lower is
+for step, field, what, sign in PAIRED:
+    path = HERE / f"aligned-{step}-s3" / "cells.jsonl"
+    if not path.exists():
+        continue
+    mine = {(c["sample_id"], c["budget"]): c for c in map(json.loads, path.read_text().splitlines())
+            if c["method"] == ALIGNED}
     theirs = {}
-    for c in map(json.loads, (SEEDS[3] / "agreement-2k" / "cells.jsonl").read_text().splitlines()):
+    for c in map(json.loads, (SEEDS[3] / step / "cells.jsonl").read_text().splitlines()):
         theirs.setdefault(c["method"], {})[(c["sample_id"], c["budget"])] = c
+    others = [m for m in (LEAD, "kvzip-copy-heads-banded", "snapkv", "kvzip") if m in theirs]
     print()
-    print("| agreement 2k, seed 3, LCS / 64 | windows | aligned | lead | banded | snapkv | kvzip | aligned - snapkv (w/t/l) | aligned - lead (w/t/l) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {step}, seed 3, {what} | windows | aligned | " + " | ".join(o.replace("kvzip-copy-heads-", "")
+          for o in others) + " | aligned better than snapkv (w/t/l) | than kvzip | than lead |")
+    print("|---|---|---|" + "---|" * len(others) + "---|---|---|")
     for budget in (0.5, 0.25):
-        keys = sorted(k for k in mine if k[1] == budget and all(k in theirs[m] for m in (LEAD, "snapkv")))
+        keys = sorted(k for k in mine if k[1] == budget and all(k in theirs[m] for m in others))
         if not keys:
             continue
-        mean = lambda m: statistics.mean((mine if m == ALIGNED else theirs[m])[k]["lcs"] for k in keys)
+        mean = lambda m: statistics.mean((mine if m == ALIGNED else theirs[m])[k][field] for k in keys)
         def vs(m):
-            d = [mine[k]["lcs"] - theirs[m][k]["lcs"] for k in keys]
-            return f"{statistics.mean(d):+.3f} ({sum(x > 0 for x in d)}/{sum(x == 0 for x in d)}/{sum(x < 0 for x in d)})"
-        row = {m: round(mean(m), 3) for m in (ALIGNED, LEAD, "kvzip-copy-heads-banded", "snapkv", "kvzip")}
-        out["agreement"][str(budget)] = {"windows": len(keys), **row, "vs_snapkv": vs("snapkv"), "vs_lead": vs(LEAD)}
-        print(f"| keep {budget} | {len(keys)} | " + " | ".join(f"{v:.3f}" for v in row.values()) + f" | {vs('snapkv')} | {vs(LEAD)} |")
+            d = [sign * (mine[k][field] - theirs[m][k][field]) for k in keys]
+            return f"{statistics.mean(d):+.4f} ({sum(x > 0 for x in d)}/{sum(x == 0 for x in d)}/{sum(x < 0 for x in d)})"
+        row = {m: round(mean(m), 4) for m in (ALIGNED, *others)}
+        out["agreement" if step == "agreement-2k" else step][str(budget)] = {
+            "windows": len(keys), **row, "vs_snapkv": vs("snapkv"), "vs_kvzip": vs("kvzip"), "vs_lead": vs(LEAD)}
+        print(f"| keep {budget} | {len(keys)} | " + " | ".join(f"{v:.4f}" for v in row.values())
+              + f" | {vs('snapkv')} | {vs('kvzip')} | {vs(LEAD)} |")
 (HERE / "summary.json").write_text(json.dumps(out, indent=1))
