@@ -4,7 +4,7 @@
 # committed runs' (seed 3: results/issue18-seed3; seeds 0-2: grid6 / issue18-heldout / issue18-seed2).
 # Steps: TASK-LEN-sSEED (facts; DEPTHS, default 0.1-0.9), agreement-LEN-sSEED or fidelity-LEN-sSEED (keep 0.5 and
 # 0.25, 8 windows; fidelity: KL over 256 teacher-forced tokens, session 19).
-# Usage: SRC=<checkout of main d3234e9> [DEPTHS=0.9] [SAMPLES=4 (fidelity)] bash results/issue18-s18/aligned.sh number-2k-s3 ...
+# Usage: SRC=<checkout of main d3234e9> [DEPTHS=0.9] [SAMPLES=4 (fidelity, agreement; default 8)] bash results/issue18-s18/aligned.sh number-2k-s3 ...
 SRC=${SRC:-/work/wt/s18b}
 O=/work/main/results/issue18-s18
 P=kvzip-copy-heads-aligned
@@ -22,7 +22,7 @@ for step in "$@"; do
     distractors-*) $PY niah --fact number --distractors --lengths $L --depths $DEPTHS --samples 2 --budgets 0.25 --presets $P $H --seed $seed --out $out ;;
     number-*) $PY niah --needle number --lengths $L --depths $DEPTHS --samples 2 --budgets 0.25 --presets $P $H --seed $seed --out $out ;;
     fidelity-*) $PY fidelity --prefix $L --continuation 256 --samples ${SAMPLES:-8} --budgets 0.5,0.25 --presets $P $H --seed $seed --out $out ;;
-    agreement-*) $PY agreement --length $L --samples 8 --new-tokens 64 --budgets 0.5,0.25 --presets $P $H --seed $seed --out $out ;;
+    agreement-*) $PY agreement --length $L --samples ${SAMPLES:-8} --new-tokens 64 --budgets 0.5,0.25 --presets $P $H --seed $seed --out $out ;;
     esac > $out.log 2>&1
     echo "== $step done rc=$? $(date +%T)" >> $O/aligned.log
 done

@@ -1,5 +1,5 @@
 """Session 18's issue-18 tables: kvzip-copy-heads-lead pooled over four seeds, and kvzip-copy-heads-aligned beside it on
-seed 3's 2k facts, the depth-0.9 samples of every seed, and agreement at 2k (seed 3); the other methods' cells of the
+seed 3's 2k facts, the depth-0.9 samples of every seed, and agreement / KL paired by window (per seed and pooled); the other methods' cells of the
 same samples are the committed runs'.
     python results/issue18-s18/summary.py        # markdown to stdout, summary.json beside this file"""
 import json
@@ -47,7 +47,7 @@ def score(d: dict, keys=None) -> str:
     return f"{sum(d[k] for k in keys)}/{len(keys)}" if keys else ""
 
 
-out = {"lead_pooled": {}, "aligned_seed3": {}, "depth09": {}, "agreement": {}, "agreement-4k": {}, "fidelity-4k": {}}
+out = {"lead_pooled": {}, "aligned_seed3": {}, "depth09": {}}
 methods = (*BASE, LEAD)
 print("| keep 0.25, seeds 0-3 | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
 for task in TASKS:
@@ -92,31 +92,53 @@ for task in TASKS:
     print(f"| {task} | {','.join(map(str, seeds))} | " + " | ".join(f"{a}/{b}" if b else "" for a, b in tot.values()) + " |")
 PAIRED = (("agreement-2k", "lcs", "LCS / 64", 1), ("agreement-4k", "lcs", "LCS / 64", 1),
           ("fidelity-4k", "kl", "KL(full || compressed)", -1))  # sign: +1 higher is better, -1 lower is
-for step, field, what, sign in PAIRED:
-    path = HERE / f"aligned-{step}-s3" / "cells.jsonl"
+
+
+def paired(step: str, seed: int) -> tuple[dict, dict]:
+    """The aligned run's cells of one seed and the committed run's of the same windows, keyed (seed, window, keep)."""
+    path = HERE / f"aligned-{step}-s{seed}" / "cells.jsonl"
     if not path.exists():
-        continue
-    mine = {(c["sample_id"], c["budget"]): c for c in map(json.loads, path.read_text().splitlines())
+        return {}, {}
+    mine = {(seed, c["sample_id"], c["budget"]): c for c in map(json.loads, path.read_text().splitlines())
             if c["method"] == ALIGNED}
     theirs = {}
-    for c in map(json.loads, (SEEDS[3] / step / "cells.jsonl").read_text().splitlines()):
-        theirs.setdefault(c["method"], {})[(c["sample_id"], c["budget"])] = c
-    others = [m for m in (LEAD, "kvzip-copy-heads-banded", "snapkv", "kvzip") if m in theirs]
+    for c in map(json.loads, (SEEDS[seed] / step / "cells.jsonl").read_text().splitlines()):
+        theirs.setdefault(c["method"], {})[(seed, c["sample_id"], c["budget"])] = c
+    return mine, theirs
+
+
+for step, field, what, sign in PAIRED:
+    rows = []  # (label, mine, theirs) per seed, then pooled
+    for seed in SEEDS:
+        mine, theirs = paired(step, seed)
+        if mine:
+            rows.append((f"seed {seed}", mine, theirs))
+    if len(rows) > 1:
+        pool_m, pool_t = {}, {}
+        for _, m, t in rows:
+            pool_m.update(m)
+            for k, v in t.items():
+                pool_t.setdefault(k, {}).update(v)
+        rows.append(("seeds " + ",".join(r[0][5:] for r in rows), pool_m, pool_t))
+    if not rows:
+        continue
+    others = [m for m in (LEAD, "kvzip-copy-heads-banded", "snapkv", "kvzip") if all(m in r[2] for r in rows)]
     print()
-    print(f"| {step}, seed 3, {what} | windows | aligned | " + " | ".join(o.replace("kvzip-copy-heads-", "")
-          for o in others) + " | aligned better than snapkv (w/t/l) | than kvzip | than lead |")
-    print("|---|---|---|" + "---|" * len(others) + "---|---|---|")
-    for budget in (0.5, 0.25):
-        keys = sorted(k for k in mine if k[1] == budget and all(k in theirs[m] for m in others))
-        if not keys:
-            continue
-        mean = lambda m: statistics.mean((mine if m == ALIGNED else theirs[m])[k][field] for k in keys)
-        def vs(m):
-            d = [sign * (mine[k][field] - theirs[m][k][field]) for k in keys]
-            return f"{statistics.mean(d):+.4f} ({sum(x > 0 for x in d)}/{sum(x == 0 for x in d)}/{sum(x < 0 for x in d)})"
-        row = {m: round(mean(m), 4) for m in (ALIGNED, *others)}
-        out["agreement" if step == "agreement-2k" else step][str(budget)] = {
-            "windows": len(keys), **row, "vs_snapkv": vs("snapkv"), "vs_kvzip": vs("kvzip"), "vs_lead": vs(LEAD)}
-        print(f"| keep {budget} | {len(keys)} | " + " | ".join(f"{v:.4f}" for v in row.values())
-              + f" | {vs('snapkv')} | {vs('kvzip')} | {vs(LEAD)} |")
+    print(f"| {step}, {what} | keep | windows | aligned | " + " | ".join(o.replace("kvzip-copy-heads-", "")
+          for o in others) + " | aligned better than snapkv (w/t/l) | than kvzip |" + (" than lead |" if LEAD in others else ""))
+    print("|---|---|---|---|" + "---|" * len(others) + "---|---|" + ("---|" if LEAD in others else ""))
+    for label, mine, theirs in rows:
+        for budget in (0.5, 0.25):
+            keys = sorted(k for k in mine if k[2] == budget and all(k in theirs[m] for m in others))
+            if not keys:
+                continue
+            mean = lambda m: statistics.mean((mine if m == ALIGNED else theirs[m])[k][field] for k in keys)
+            def vs(m):
+                d = [sign * (mine[k][field] - theirs[m][k][field]) for k in keys]
+                return f"{statistics.mean(d):+.4f} ({sum(x > 0 for x in d)}/{sum(x == 0 for x in d)}/{sum(x < 0 for x in d)})"
+            row = {m: round(mean(m), 4) for m in (ALIGNED, *others)}
+            versus = {"vs_snapkv": vs("snapkv"), "vs_kvzip": vs("kvzip")} | ({"vs_lead": vs(LEAD)} if LEAD in others else {})
+            out.setdefault(step, {})[f"{label}, keep {budget}"] = {"windows": len(keys), **row, **versus}
+            print(f"| {label} | {budget} | {len(keys)} | " + " | ".join(f"{v:.4f}" for v in row.values())
+                  + " | " + " | ".join(versus.values()) + " |")
 (HERE / "summary.json").write_text(json.dumps(out, indent=1))
