@@ -122,7 +122,7 @@ for step, field, what, sign in PAIRED:
         rows.append(("seeds " + ",".join(r[0][5:] for r in rows), pool_m, pool_t))
     if not rows:
         continue
-    others = [m for m in (LEAD, "kvzip-copy-heads-banded", "snapkv", "kvzip") if all(m in r[2] for r in rows)]
+    others = [m for m in (LEAD, "kvzip-copy-heads-banded", "snapkv", "streamingllm", "kvzip") if all(m in r[2] for r in rows)]
     print()
     print(f"| {step}, {what} | keep | windows | aligned | " + " | ".join(o.replace("kvzip-copy-heads-", "")
           for o in others) + " | aligned better than snapkv (w/t/l) | than kvzip |" + (" than lead |" if LEAD in others else ""))
