@@ -397,6 +397,10 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
         elif task == "agreement":
             written.append(P.metric_vs_budget(rows, out / "lcs_vs_budget.png", "lcs", panel=None,
                                               ylabel="LCS / N with the full cache's output", title="agreement"))
+            if any(r.get("forced_kl") is not None for r in rows):
+                written.append(P.metric_vs_budget(rows, out / "forced_kl_vs_budget.png", "forced_kl", panel=None,
+                                                  ylabel="KL(full || compressed) on the full cache's answer",
+                                                  title="agreement, teacher-forced", ylim=None))
         else:
             written.append(P.metric_vs_budget(rows, out / "kl_vs_budget.png", "kl", panel=None,
                                               ylabel="mean KL(full || compressed)", title="fidelity", ylim=None))
@@ -407,8 +411,8 @@ def finish(out: Path, task: str, meta: dict, records: list, plots: bool = True) 
     if task == "fidelity":
         cols = ["method", "budget", "n", "kl", "top1", "ppl_full", "ppl", "keep_max", "budget_met", "compress_s"]
     elif task == "agreement":
-        cols = ["method", "budget", "n", "lead", "lcs", "keep_max", "keep_mean", "budget_met", "compress_s",
-                "reconstruct_s", "prefill_s"]
+        cols = ["method", "budget", "n", "lead", "lcs", "forced_kl", "forced_top1", "forced_lead", "keep_max",
+                "keep_mean", "budget_met", "compress_s", "reconstruct_s", "prefill_s"]
     else:
         cols = ["method", "budget", "protocol", "n", "hits", "accuracy", "leading_digits", "keep_max", "keep_mean",
                 "budget_met", "compress_s", "decode_s"]

@@ -8,6 +8,17 @@ each method (query-agnostic: the instruction is fed after compression, uncompres
 
     lead   the number of leading tokens identical to F (how long it stays on the full cache's path)
     lcs    longest common subsequence of C and F, divided by N (order-preserving overlap)
+
+Greedy text diverges for good at its first differing token, so after it ``lcs`` compares two
+unrelated continuations and is noisy window to window. The same cells therefore also read the
+method on the full cache's own path: the instruction and F teacher-forced over the compressed
+context (compressed once; nothing of the path is compressed, as in fidelity), against the full cache's logits on the same N + 1 positions (the first predicts F[0], the
+last what follows F):
+
+    forced_kl    mean KL(full || compressed) over those positions, in nats
+    forced_top1  share of them whose argmax equals the full cache's
+    forced_lead  leading positions whose argmax equals the full cache's (``lead`` without the
+                 greedy divergence; equal to it unless a tie in the logits flips a token)
 """
 
 from __future__ import annotations
@@ -15,9 +26,12 @@ from __future__ import annotations
 import random
 import time
 
+import torch
+
 from ..validation import check_int, require
 from .caches import Recorder, compressed_copy
 from .data import Haystack
+from .fidelity import teacher_forced_logits, compare
 from .greedy import build_prompt, greedy, stop_ids
 from .methods import Method
 from .reconstruction import copy_for
@@ -55,6 +69,24 @@ def agreement(reference: list, tokens: list) -> dict:
     n = max(len(reference), 1)
     return {"lead": leading_match(reference, tokens), "lcs": lcs_length(reference, tokens) / n,
             "ref_tokens": len(reference), "new_tokens": len(tokens)}
+
+
+def forced_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict:
+    """forced_kl / forced_top1 / forced_lead of ``logits`` against ``ref_logits`` (both [q, V], the
+    positions of the full cache's answer path)."""
+    target = ref_logits.argmax(-1)
+    same = logits.argmax(-1) == target
+    metrics = compare(ref_logits, logits, target)
+    return {"forced_kl": metrics["kl"], "forced_top1": metrics["top1"],
+            "forced_lead": int(same.long().cumprod(0).sum())}
+
+
+def answer_path_logits(model, cache, prompt, answer: list) -> torch.Tensor:
+    """[len(answer) + 1, V]: the logits after the prompt's last token and after each answer token,
+    with the prompt's tail and ``answer`` teacher-forced over ``cache`` in one forward."""
+    tail = prompt.tail
+    ids = torch.cat([tail, torch.tensor([answer], dtype=tail.dtype, device=tail.device)], dim=1)
+    return teacher_forced_logits(model, cache, ids, None)[tail.shape[1] - 1:]
 
 
 def agreement_windows(tokenizer, haystack: Haystack, length: int, samples: int, seed: int = 0) -> list:
@@ -95,13 +127,25 @@ def run_agreement(model, tokenizer, windows, grid: Grid, store: CellStore, *, ne
                 reference, _ = greedy(model, ref_copy.cache, prompt.tail, new_tokens, stop)
             finally:
                 ref_copy.cache.close()
+            ref_copy = compressed_copy(model, snap, full.config(1.0))
+            try:
+                ref_logits = answer_path_logits(model, ref_copy.cache, prompt, reference)
+            finally:
+                ref_copy.cache.close()
             for method, budget in cells:
-                copy = copy_for(model, tokenizer, snap, configs[(method.label, budget)])
+                config = configs[(method.label, budget)]
+                copy = copy_for(model, tokenizer, snap, config)
                 try:
                     tokens, decode_s = greedy(model, copy.cache, prompt.tail, new_tokens, stop)
                 finally:
                     copy.cache.close()
-                metrics = agreement(reference, tokens)
+                forced = copy_for(model, tokenizer, snap, config)  # a fresh copy: greedy has grown the first
+                forced.cache.enabled = False  # the context compressed once, the answer path exact (as fidelity)
+                try:
+                    metrics = {**agreement(reference, tokens),
+                               **forced_agreement(ref_logits, answer_path_logits(model, forced.cache, prompt, reference))}
+                finally:
+                    forced.cache.close()
                 store.add({
                     "key": cell_key(sid, method.label, budget, PROTOCOL), "task": "agreement", "sample_id": sid,
                     "method": method.label, "preset": method.preset, "overrides": dict(method.overrides),

@@ -44,7 +44,7 @@ def fidelity_windows(tokenizer, haystack: Haystack, prefix: int, continuation: i
     return out
 
 
-def _teacher_forced_logits(model, cache, ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
+def teacher_forced_logits(model, cache, ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
     """[q, V] float32 logits of ``ids`` [1, q] fed over ``cache`` in chunks."""
     from ..hf.generate import cache_kwarg
 
@@ -97,7 +97,7 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
                 copy.cache.enabled = False  # only the prefix is compressed
                 start = time.perf_counter()
                 try:
-                    logits = _teacher_forced_logits(model, copy.cache, cont, chunk)
+                    logits = teacher_forced_logits(model, copy.cache, cont, chunk)
                 finally:
                     copy.cache.close()
                 seconds = time.perf_counter() - start

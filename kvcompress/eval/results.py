@@ -140,7 +140,8 @@ def aggregate(records: list[dict], by=("method", "budget", "protocol")) -> list[
             "compress_s": _mean([r.get("compress_s") for r in rs]),
             "decode_s": _mean([r.get("decode_s") for r in rs]),
         })
-        for extra in ("kl", "top1", "ppl_full", "ppl", "ppl_delta", "lead", "lcs", "reconstruct_s", "prefill_s"):
+        for extra in ("kl", "top1", "ppl_full", "ppl", "ppl_delta", "lead", "lcs", "forced_kl",
+                      "forced_top1", "forced_lead", "reconstruct_s", "prefill_s"):
             if any(extra in r for r in rs):
                 row[extra] = _mean([r.get(extra) for r in rs])
         # where the needle's value went (means over layers and heads, then samples)
