@@ -1,4 +1,4 @@
-"""Session 22's held-out runs (seeds 14 and 15, never used for tuning; PG 2k, question after compression), every
+"""Session 22's held-out runs (seeds 14-17, never used for tuning; PG 2k (14, 15) and 4k (16, 17), question after compression), every
 method in one run: per method and budget the mean of each metric, and window-by-window wins / ties / losses of
 each method against SnapKV and against kvzip. Agreement: greedy LCS / 64 and lead, and the teacher-forced
 metrics on the full cache's answer path (forced_kl lower is better, forced_top1 and forced_lead higher).
@@ -11,6 +11,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 TASKS = {
     "agreement": (["agreement-2k-s14", "agreement-2k-s15"], ["lcs", "lead", "forced_kl", "forced_top1", "forced_lead"]),
+    "agreement 4k": (["agreement-4k-s16", "agreement-4k-s17"], ["lcs", "lead", "forced_kl", "forced_top1", "forced_lead"]),
     "fidelity": (["fidelity-2k-s14"], ["kl", "top1"]),
 }
 LOWER_IS_BETTER = {"forced_kl", "kl"}
@@ -21,7 +22,8 @@ def load(dirs):
     """{(method, budget): {window: record}} over the runs' cells; windows are keyed by run and sample."""
     out = collections.defaultdict(dict)
     for d in dirs:
-        for line in (HERE / d / "cells.jsonl").read_text().splitlines():
+        path = HERE / d / "cells.jsonl"
+        for line in (path.read_text().splitlines() if path.exists() else []):
             r = json.loads(line)
             out[(r["method"], r["budget"])][(d, r["sample_id"])] = r
     return out
