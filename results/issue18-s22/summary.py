@@ -3,6 +3,7 @@ method in one run: per method and budget the mean of each metric, and window-by-
 each method against SnapKV and against kvzip. Agreement: greedy LCS / 64 and lead, and the teacher-forced
 metrics on the full cache's answer path (forced_kl lower is better, forced_top1 and forced_lead higher).
 Fidelity: KL(full || compressed) over 256 teacher-forced continuation tokens (lower is better).
+Facts (session 23, seed 18): hits out of the samples per method at keep 0.25, the full cache beside them, and per depth.
 Usage: python results/issue18-s22/summary.py"""
 import collections
 import json
@@ -37,6 +38,26 @@ def wtl(rows, base, metric):
     return f"{w}/{t}/{len(common) - w - t}"
 
 
+FACTS = ["word-2k-s18", "distractors-2k-s18", "number-2k-s18"]
+
+
+def facts():
+    print("\n### facts, keep 0.25, question after compression (" + ", ".join(FACTS) + ")\n")
+    cells = {}
+    for d in FACTS:
+        path = HERE / d / "cells.jsonl"
+        for line in (path.read_text().splitlines() if path.exists() else []):
+            r = json.loads(line)
+            cells.setdefault(d, {}).setdefault(r["method"], []).append(r)
+    methods = sorted({m for by in cells.values() for m in by}, key=lambda m: (m != "full", m))
+    print("| fact | " + " | ".join(methods) + " | aligned's misses (depth) |")
+    print("|" + "---|" * (len(methods) + 2))
+    for d, by in cells.items():
+        hits = [f"{sum(r['hit'] for r in by.get(m, []))}/{len(by.get(m, []))}" for m in methods]
+        miss = sorted(r["depth"] for r in by.get("kvzip-copy-heads-aligned", []) if not r["hit"])
+        print(f"| {d} | " + " | ".join(hits) + f" | {miss} |")
+
+
 def main():
     for task, (dirs, metrics) in TASKS.items():
         by = load(dirs)
@@ -53,3 +74,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    facts()
