@@ -2,8 +2,7 @@
 # Session 23 dev check (seed 13, the dev seed of session 22's answer-path sweep): does the question-free guard
 # variant q0 (query_share 0) cost agreement against the preset? Usage: bash results/issue18-s23/dev_agree.sh 0.25
 O=/work/main/results/issue18-s23
-G='"reduce":"median","surprisal":1.0,"head_budget":"adaptive","copy_heads":0.05,"other_token_share":0.5,"query_heads":0.1,"band":512,"allowance_keep":0.25,"lead":32,"aligned":true'
-Q0="kvzip-copy-heads-aligned:guards=[{\"name\":\"importance\",\"params\":{\"share\":0.8,\"token_share\":0.15,\"query_share\":0.0,$G}}]"
+source "$(dirname "$0")/variants.sh"
 out=$O/dev-agree-2k-s13-k$1
 echo "== agree $1 start $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) commit $(git -C /work/main rev-parse --short HEAD)" >> $O/diag.log
 nice -n 5 env HF_HUB_OFFLINE=1 /work/main/.venv/bin/python -m kvcompress.cli eval agreement --length 2048 --samples 5 \

@@ -1,14 +1,10 @@
 #!/bin/bash
 # Session 23 diagnosis on seed 18's fact windows (already held out and reported; nothing here is a held-out claim):
-# does the guard's allowance, not its ranking, lose the numbers? Variants of kvzip-copy-heads-aligned's guard:
-#   q0:  query_share 0 (the whole sentences' allowance by the importance + surprisal ranking)
-#   all: share 1.0, token_share 0, query_share 0 (the copy heads hold sentences only; other heads unchanged)
+# does the guard's allowance, not its ranking, lose the numbers? The guard variants Q0 and ALL of variants.sh.
 # Usage: bash results/issue18-s23/diag.sh number distractors
 O=/work/main/results/issue18-s23
+source "$(dirname "$0")/variants.sh"
 PY="nice -n 5 env HF_HUB_OFFLINE=1 /work/main/.venv/bin/python -m kvcompress.cli eval niah"
-G='"reduce":"median","surprisal":1.0,"head_budget":"adaptive","copy_heads":0.05,"other_token_share":0.5,"query_heads":0.1,"band":512,"allowance_keep":0.25,"lead":32,"aligned":true'
-Q0="kvzip-copy-heads-aligned:guards=[{\"name\":\"importance\",\"params\":{\"share\":0.8,\"token_share\":0.15,\"query_share\":0.0,$G}}]"
-ALL="kvzip-copy-heads-aligned:guards=[{\"name\":\"importance\",\"params\":{\"share\":1.0,\"token_share\":0.0,\"query_share\":0.0,$G}}]"
 F="--lengths 2048 --depths 0.1,0.3,0.5,0.7,0.9 --samples 2 --budgets 0.25 --protocols agnostic --threads 1 --no-progress --no-plots"
 F="$F --haystack /work/shared/data/paul_graham_essays --seed ${SEED:-18}"
 for task in "$@"; do
