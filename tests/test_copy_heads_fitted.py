@@ -250,3 +250,28 @@ def test_preset_runs_through_generate(model, tok):
     res = kvcompress.generate(model, tok, TEXT, "kvzip-copy-heads-fitted", budget=0.25, max_new_tokens=3,
                               question="What is", backend="sdpa", recent=8)
     assert res.report["budget_met"], res.report.get("budget_note")
+
+
+def test_noquery_preset_ignores_the_window_queries():
+    """kvzip-copy-heads-noquery is kvzip-copy-heads-aligned with ``query_share`` 0: the same preset
+    otherwise, and its guard's choice does not move when the window queries do (the aligned one's does)."""
+    aligned, noquery = get_preset("kvzip-copy-heads-aligned"), get_preset("kvzip-copy-heads-noquery")
+    assert aligned.guards[0].params["query_share"] > 0 and noquery.guards[0].params["query_share"] == 0.0
+    assert noquery.replace(name=aligned.name, guards=aligned.guards) == aligned
+    states = _layers(B=1, W=16)
+    gen = torch.Generator().manual_seed(7)
+    other = [s.replace(extras={**s.extras, "queries": torch.randn(s.extras["queries"].shape, generator=gen) * 4})
+             for s in states]
+    budget, already = torch.tensor([64]), torch.zeros(1, 256, dtype=torch.bool)
+    already[:, :4] = True
+
+    def chosen(cfg, layers):
+        params = {k: v for k, v in cfg.guards[0].params.items() if k not in ("band", "lead", "aligned")}
+        guard = ImportanceGuard(**params, ends=(".", "!"))
+        guard.prepare(layers, budget, already)
+        return guard.chosen_tokens()
+
+    assert ImportanceGuard(**{k: v for k, v in noquery.guards[0].params.items()
+                              if k not in ("band",)}).needs.query_window == 0
+    assert torch.equal(chosen(noquery, states), chosen(noquery, other))
+    assert not torch.equal(chosen(aligned, states), chosen(aligned, other))

@@ -45,6 +45,9 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   lead-in of ``PASS_LEAD`` context tokens (guard ``lead``), so a chunk's first tokens are scored mid-copy.
 - ``kvzip-copy-heads-aligned``: kvzip-copy-heads-lead whose pass places every chunk where one full repeat
   of the context would (guard ``aligned``), so every chunk is copied from the same distance.
+- ``kvzip-copy-heads-noquery``: kvzip-copy-heads-aligned without the window-query share (guard
+  ``query_share`` 0): when the cache is compressed before the question, the last queries of the prompt
+  are the document's end, not a question, and the sentences they pick take the allowance a fact needs.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -257,6 +260,18 @@ def kvzip_copy_heads_aligned() -> PipelineConfig:
     (guard,) = base.guards
     return base.replace(name="kvzip-copy-heads-aligned",
                         guards=(StrategySpec(guard.name, {**guard.params, "aligned": True}),))
+
+
+@register_preset("kvzip-copy-heads-noquery")
+def kvzip_copy_heads_noquery() -> PipelineConfig:
+    """kvzip-copy-heads-aligned with the whole sentences' allowance ranked by importance + surprisal
+    (guard ``query_share`` 0), for a cache compressed before the question: there the window queries
+    are the context's last tokens and the sentences they attend to are no more likely to hold a fact
+    (seed 18, planted number: 5/10 with the share, 9/10 without it; full cache 9/10; results/issue18-s23)."""
+    base = kvzip_copy_heads_aligned()
+    (guard,) = base.guards
+    return base.replace(name="kvzip-copy-heads-noquery",
+                        guards=(StrategySpec(guard.name, {**guard.params, "query_share": 0.0}),))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:
