@@ -12,6 +12,7 @@ s22.BASELINES = ("snapkv", "kvzip", "kvzip-copy-heads-aligned")
 s22.TASKS = {
     "agreement": (["agreement-2k-s19"], ["lcs", "lead", "forced_kl", "forced_top1", "forced_lead"]),
     "fidelity": (["fidelity-2k-s19"], ["kl", "top1"]),
+    "dev fill (seed 13, not held out)": (["dev-fill-2k-s13-k0.5"], ["lcs", "lead", "forced_kl", "forced_top1", "forced_lead"]),
 }
 s22.FACTS = [f"{t}-2k-s{s}" for s in (19, 20) for t in ("word", "distractors", "number", "aware")
              if (HERE / f"{t}-2k-s{s}" / "cells.jsonl").exists()]
