@@ -232,11 +232,7 @@ def kvzip_copy_heads_banded() -> PipelineConfig:
     chunks' scores several times (dev, results/issue18-dev7); the sentences are then ranked within
     the distance they were copied from. The allowances are sized at keep ``ALLOWANCE_KEEP`` at most
     (guard ``allowance_keep``): a larger budget's extra slots go to SnapKV's window choice."""
-    base = kvzip_copy_heads_fitted()
-    (guard,) = base.guards
-    return base.replace(name="kvzip-copy-heads-banded",
-                        guards=(StrategySpec(guard.name, {**guard.params, "band": BAND,
-                                                          "allowance_keep": ALLOWANCE_KEEP}),))
+    return _with_guard(kvzip_copy_heads_fitted(), "kvzip-copy-heads-banded", band=BAND, allowance_keep=ALLOWANCE_KEEP)
 
 
 @register_preset("kvzip-copy-heads-lead")
@@ -245,10 +241,7 @@ def kvzip_copy_heads_lead() -> PipelineConfig:
     chunk after the first is reproduced after the ``PASS_LEAD`` context tokens before it, so its
     first tokens are copied mid-stream; without it a fact at a chunk's start ranks low for where it
     sits (4k, distractor numbers: 0 of 5 such needles kept over three seeds, full cache 5 of 5)."""
-    base = kvzip_copy_heads_banded()
-    (guard,) = base.guards
-    return base.replace(name="kvzip-copy-heads-lead",
-                        guards=(StrategySpec(guard.name, {**guard.params, "lead": PASS_LEAD}),))
+    return _with_guard(kvzip_copy_heads_banded(), "kvzip-copy-heads-lead", lead=PASS_LEAD)
 
 
 @register_preset("kvzip-copy-heads-aligned")
@@ -256,10 +249,7 @@ def kvzip_copy_heads_aligned() -> PipelineConfig:
     """kvzip-copy-heads-lead with the reconstruction pass's chunks at their full-repeat positions (guard
     ``aligned``): every chunk copied from the same distance, so a fact near the context's end is not
     drowned by the high copy attention every token of the nearest chunk gets (results/issue18-s18)."""
-    base = kvzip_copy_heads_lead()
-    (guard,) = base.guards
-    return base.replace(name="kvzip-copy-heads-aligned",
-                        guards=(StrategySpec(guard.name, {**guard.params, "aligned": True}),))
+    return _with_guard(kvzip_copy_heads_lead(), "kvzip-copy-heads-aligned", aligned=True)
 
 
 @register_preset("kvzip-copy-heads-noquery")
@@ -268,10 +258,13 @@ def kvzip_copy_heads_noquery() -> PipelineConfig:
     (guard ``query_share`` 0), for a cache compressed before the question: there the window queries
     are the context's last tokens and the sentences they attend to are no more likely to hold a fact
     (seed 18, planted number: 5/10 with the share, 9/10 without it; full cache 9/10; results/issue18-s23)."""
-    base = kvzip_copy_heads_aligned()
+    return _with_guard(kvzip_copy_heads_aligned(), "kvzip-copy-heads-noquery", query_share=0.0)
+
+
+def _with_guard(base: PipelineConfig, name: str, **params) -> PipelineConfig:
+    """``base`` renamed, its one guard given ``params`` on top of its own (the copy-heads variants)."""
     (guard,) = base.guards
-    return base.replace(name="kvzip-copy-heads-noquery",
-                        guards=(StrategySpec(guard.name, {**guard.params, "query_share": 0.0}),))
+    return base.replace(name=name, guards=(StrategySpec(guard.name, {**guard.params, **params}),))
 
 
 def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:
