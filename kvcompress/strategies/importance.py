@@ -210,6 +210,12 @@ class ImportanceGuard:
             sentences or more reconstruction-ranked tokens. The importance signal finds the facts
             a small cache must hold; once they fit, what the continuation needs next is read
             better from the window queries (dev, results/issue18-s14)
+    fill_share: with ``allowance_keep``, the share of the slots a larger budget adds above that
+            cap (its room minus the capped room) that each (layer, KV head) gives to its own best
+            tokens by reconstruction score (KVzip's choice, split over the heads as
+            ``head_budget`` says), on top of ``token_share``; the rest of them stays with the
+            clusterer's choice. 0: all of them with the clusterer's choice. At or below keep
+            ``allowance_keep`` it changes nothing
     lead:   the lead-in the reconstruction pass gives every chunk after the first (``Needs.pass_lead``;
             0: KVzip's chunks, none). The pass feeds "repeat prompt + chunk", so a chunk's first
             tokens are reproduced before the model has found where in the context it is copying
@@ -234,11 +240,16 @@ class ImportanceGuard:
                  window_share: float = 0.0, head_budget: str = "uniform", surprisal: float = 0.0,
                  copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
                  query_heads: float = 1.0, band: int = 0, allowance_keep: float | None = None,
-                 lead: int = 0, aligned: bool = False, ends: Sequence[str] = SENTENCE_ENDS):
+                 lead: int = 0, aligned: bool = False, fill_share: float = 0.0,
+                 ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         if allowance_keep is not None:
             check_range("allowance_keep", allowance_keep, 0.0, 1.0, lo_open=True)
         self.allowance_keep = None if allowance_keep is None else float(allowance_keep)
+        check_range("fill_share", fill_share, 0.0, 1.0)
+        require(fill_share == 0 or allowance_keep is not None, "fill_share", fill_share,
+                "0 without allowance_keep (it shares out the slots above that cap)")
+        self.fill_share = float(fill_share)
         check_range("copy_heads", copy_heads, 0.0, 1.0, lo_open=True)
         self.copy_heads = float(copy_heads)
         check_range("query_share", query_share, 0.0, 1.0)
@@ -284,7 +295,8 @@ class ImportanceGuard:
                 f"window_share={self.window_share}, head_budget={self.head_budget!r}, surprisal={self.surprisal}, "
                 f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
                 f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band}, "
-                f"allowance_keep={self.allowance_keep}, lead={self.lead}, aligned={self.aligned})")
+                f"allowance_keep={self.allowance_keep}, lead={self.lead}, aligned={self.aligned}, "
+                f"fill_share={self.fill_share})")
 
     @property
     def needs(self) -> Needs:
@@ -342,12 +354,15 @@ class ImportanceGuard:
         left = allowance - (lengths * chosen).sum(-1).long()
         chosen = chosen | select_sentences(score, lengths, left, eligible)
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
-        self._tokens = torch.floor(room.to(torch.float64) * self.token_share).long()
+        # the slots above the allowance cap that go to each head's own reconstruction-ranked tokens
+        fill = torch.floor((full_room - room).to(torch.float64) * self.fill_share).long()
+        own = torch.floor(room.to(torch.float64) * self.token_share).long()
+        self._tokens = own + fill
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
         self._cap = (full_room - allowance - self._window).clamp(min=0)  # what sentences and window leave
         self._allowance = allowance
-        self._other = (allowance + self._tokens if self.other_token_share is None
-                       else torch.floor(room.to(torch.float64) * self.other_token_share).long())
+        self._other = fill + (allowance + own if self.other_token_share is None
+                              else torch.floor(room.to(torch.float64) * self.other_token_share).long())
         self._copy_thr = None
         if self.copy_heads < 1.0:
             x = torch.stack([copy_of(st) for st in states], 1).flatten(1)  # [B, L * H]
