@@ -36,7 +36,32 @@ def facts(run):
         print(f"| {m} | {sum(r['hit'] for r in rows)}/{len(rows)} | {', '.join(miss)} |")
 
 
+def agreement(run):
+    by = collections.defaultdict(dict)
+    for line in (HERE / run / "cells.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        by[(r["method"], r["budget"])][r["sample_id"]] = r
+    print(f"\n### {run}\n\n| keep | method | n | LCS / 64 | forced KL | forced KL below noquery / SnapKV / kvzip |")
+    print("|---|---|---|---|---|---|")
+    for (m, b), v in sorted(by.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+        below = []
+        for ref_name in (BASE, "snapkv", "kvzip"):
+            ref = by.get((ref_name, b), {})
+            common = [s for s in v if s in ref]
+            below.append(f"{sum(v[s]['forced_kl'] < ref[s]['forced_kl'] for s in common)}/{len(common)}")
+        lcs = sum(r["lcs"] for r in v.values()) / len(v)
+        fkl = sum(r["forced_kl"] for r in v.values()) / len(v)
+        print(f"| {b} | {m} | {len(v)} | {lcs:.3f} | {fkl:.4f} | {' / '.join(below)} |")
+
+
 if __name__ == "__main__":
     for run in ("mergeall-fidelity-2k-s13", "residual-fidelity-2k-s13", "ots-fidelity-2k-s13"):
         fidelity(run)
     facts("ots-distractors-2k-s20")
+    # seed 22, never used before: the balanced variant (noquery-ots0.25.json) beside the preset and the baselines
+    fidelity("heldout-fidelity-2k-s22")
+    if (HERE / "heldout-agreement-2k-s22" / "cells.jsonl").exists():
+        agreement("heldout-agreement-2k-s22")
+    for task in ("word", "distractors", "number"):
+        if (HERE / f"heldout-{task}-2k-s22" / "cells.jsonl").exists():
+            facts(f"heldout-{task}-2k-s22")
