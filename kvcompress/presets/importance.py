@@ -48,6 +48,9 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
 - ``kvzip-copy-heads-noquery``: kvzip-copy-heads-aligned without the window-query share (guard
   ``query_share`` 0): when the cache is compressed before the question, the last queries of the prompt
   are the document's end, not a question, and the sentences they pick take the allowance a fact needs.
+- ``kvzip-copy-heads-whole``: kvzip-copy-heads-noquery whose copy heads give their whole room to sentences
+  (guard ``share`` 1, ``token_share`` 0; the heads without sentences unchanged): the sentences' allowance
+  is what bounds the facts a question-free cache can hold, and it lives in 5 of 90 heads.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -85,6 +88,9 @@ ALLOWANCE_KEEP = 0.25
 # kvzip-copy-heads-lead: the pass's lead-in, context tokens teacher-forced before each chunk (32 lifted both
 # chunk-start needles tried into the guard's choice, 128 gained nothing more: results/issue18-s16dev)
 PASS_LEAD = 32
+# kvzip-copy-heads-whole: the copy heads' room all to sentences (offline, session 27: the noquery ranking's
+# needle fitted the 0.8 allowance in 15 of 21 spent windows, the whole room in 18 of 21; results/issue18-s27)
+WHOLE_SHARE = 1.0
 
 
 def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
@@ -276,3 +282,12 @@ def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:
         guards=(guard,), query_window=SNAPKV_WINDOW, proportional_attention=True,
     )
 
+
+
+@register_preset("kvzip-copy-heads-whole")
+def kvzip_copy_heads_whole() -> PipelineConfig:
+    """kvzip-copy-heads-noquery whose copy heads keep sentences in their whole room (guard ``share``
+    ``WHOLE_SHARE``, no per-head tokens there; every other head as before): on a question-free cache the
+    facts held are bounded by how many ranked sentences fit the few heads that retrieve, and those heads'
+    per-head tokens served the continuation that the other 85 heads already serve."""
+    return _with_guard(kvzip_copy_heads_noquery(), "kvzip-copy-heads-whole", share=WHOLE_SHARE, token_share=0.0)
