@@ -275,3 +275,56 @@ def test_noquery_preset_ignores_the_window_queries():
                               if k not in ("band",)}).needs.query_window == 0
     assert torch.equal(chosen(noquery, states), chosen(noquery, other))
     assert not torch.equal(chosen(aligned, states), chosen(aligned, other))
+
+
+def test_whole_preset_gives_the_copy_heads_room_to_sentences_only():
+    """kvzip-copy-heads-whole is kvzip-copy-heads-noquery with the guard's ``share`` 1 and ``token_share``
+    0: in the copy heads the chosen sentences fill the room the budget leaves (at most it, a sentence
+    that does not fit is skipped), no per-head tokens there; every head without sentences gets the
+    same exact slots as under noquery in a layer without copy heads (in one with a copy head, Ada-KV's
+    layer-wide top-k no longer shares their per-head tokens with it: the others split exactly their own
+    quotas); no sentence left out would still fit what is left of the room."""
+    noquery, whole = get_preset("kvzip-copy-heads-noquery"), get_preset("kvzip-copy-heads-whole")
+    assert whole.guards[0].params["share"] == 1.0 and whole.guards[0].params["token_share"] == 0.0
+    params = {**whole.guards[0].params, "share": noquery.guards[0].params["share"],
+              "token_share": noquery.guards[0].params["token_share"]}
+    assert whole.replace(name=noquery.name, guards=(whole.guards[0].__class__("importance", params),)) == noquery
+    states = _layers(L=4, H=3, N=256, B=2, W=16, seed=3)
+    budget, already = torch.tensor([96, 80]), torch.zeros(2, 256, dtype=torch.bool)
+    already[:, :4] = True
+
+    def guard_of(cfg):
+        params = {k: v for k, v in cfg.guards[0].params.items() if k not in ("band", "lead", "aligned")}
+        guard = ImportanceGuard(**{**params, "copy_heads": 0.25, "allowance_keep": None}, ends=(".", "!"))
+        guard.prepare(states, budget, already)
+        return guard
+
+    g_noq, g_whole = guard_of(noquery), guard_of(whole)
+    kept_noq, kept_whole = g_noq.chosen_tokens(), g_whole.chosen_tokens()
+    room = budget - already.sum(-1)
+    used = (kept_whole & ~already).sum(-1)
+    assert bool((used <= room).all()) and bool((used > (kept_noq & ~already).sum(-1)).all())
+    sid = sentence_ids(states[0].token_ids, VOCAB, (".", "!"))
+    lengths = sentence_sum((~already).float(), sid, int(sid.max()) + 1)  # [B, S] free tokens per sentence
+    chosen = lengths.new_zeros(lengths.shape).scatter_add_(1, sid, kept_whole.float()) > 0
+    left_out = (lengths > 0) & ~chosen
+    assert bool((lengths.masked_fill(~left_out, 1e9).min(-1).values > room - used).all())
+    heads, checked, compared = [], 0, 0
+    for st in states:
+        m_noq, m_whole = g_noq(st), g_whole(st)
+        copy = st.extras[COPY] >= g_whole._copy_thr[:, None]  # [B, H] the heads holding sentences
+        heads.append(copy)
+        other = ~copy & ~copy.any(-1, keepdim=True)  # the heads of rows whose layer has no copy head
+        assert torch.equal(m_noq[other], m_whole[other])
+        shared = ~copy & copy.any(-1, keepdim=True)
+        for b in range(2):
+            if bool(shared[b].any()):
+                checked += 1
+                exact = int((m_whole[b] & shared[b][:, None]).sum())
+                assert exact == int(shared[b].sum()) * int(g_whole._other[b])
+        compared += int(other.sum())
+        pos = st.positions.clamp(min=0)
+        sent = kept_whole.gather(1, pos.flatten(1)).view_as(pos) & st.valid
+        assert torch.equal(m_whole[copy], sent[copy])  # copy heads: the sentences and nothing else
+    heads = torch.stack(heads)
+    assert bool(heads.any()) and not bool(heads.all()) and checked > 0 and compared > 0

@@ -1,14 +1,15 @@
 #!/bin/bash
 # Session 27: kvzip-copy-heads-whole beside kvzip-copy-heads-noquery and the baselines, one run per task, on a seed
-# no run had used before (23). Usage: bash results/issue18-s27/heldout.sh word-s23 distractors-s23 ...
+# no run had used before (23, 24; 25 at 4k). Usage: bash results/issue18-s27/heldout.sh word-s23 distractors-s23 ...
+# LEN=4096 SAMPLES=1 for 4k windows (one sample a depth).
 O=/work/main/results/issue18-s27
 PY="nice -n 5 env HF_HUB_OFFLINE=1 /work/main/.venv/bin/python -m kvcompress.cli eval"
 H="--threads 1 --no-progress --no-plots --haystack /work/shared/data/paul_graham_essays"
 P=snapkv,streamingllm,kvzip,kvzip-copy-heads-noquery,kvzip-copy-heads-whole
 for step in "$@"; do
-    seed=${step##*-s}; task=${step%-s*}; out=$O/heldout-$task-2k-s$seed
+    seed=${step##*-s}; task=${step%-s*}; L=${LEN:-2048}; out=$O/heldout-$task-$((L / 1024))k-s$seed
     echo "== heldout $step start $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) commit $(git -C /work/main rev-parse --short HEAD)" >> $O/runs.log
-    F="--lengths 2048 --depths 0.1,0.3,0.5,0.7,0.9 --samples 2 --budgets 0.25 $H --seed $seed --out $out"
+    F="--lengths $L --depths 0.1,0.3,0.5,0.7,0.9 --samples ${SAMPLES:-2} --budgets 0.25 $H --seed $seed --out $out"
     case $task in
     fidelity) $PY fidelity --prefix 2048 --continuation 256 --samples 8 --presets $P --budgets 0.5,0.25 $H --seed $seed --out $out ;;
     agreement) $PY agreement --length 2048 --samples 8 --new-tokens 64 --presets $P --budgets 0.5,0.25 $H --seed $seed --out $out ;;
