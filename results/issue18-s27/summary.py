@@ -1,6 +1,6 @@
 """Session 27: kvzip-copy-heads-whole (the copy heads' whole room to sentences) beside kvzip-copy-heads-noquery and the
 baselines. Held out: seeds 23 and 24 (never used before; one run per task with every method); dev: the spent seeds
-20 and 22, where noquery missed (whole added by a resumed run of copies of those folders).
+20 and 22, where noquery missed; seed 25 at 4k (one sample a depth) (whole added by a resumed run of copies of those folders).
 Fidelity KL (lower is better), agreement (LCS / 64, forced KL), facts (hits, misses as depth/sample).
 Usage: python results/issue18-s27/summary.py"""
 import collections
@@ -62,6 +62,8 @@ if __name__ == "__main__":
                            ("distractors", facts), ("number", facts)):
             if (HERE / f"heldout-{task}-2k-s{seed}" / "cells.jsonl").exists():
                 show(f"heldout-{task}-2k-s{seed}")
+    if (HERE / "heldout-distractors-4k-s25" / "cells.jsonl").exists():
+        facts("heldout-distractors-4k-s25")
     for run in ("dev-word-2k-s22", "dev-distractors-2k-s22", "dev-distractors-2k-s20"):
         if (HERE / run / "cells.jsonl").exists():
             facts(run)
