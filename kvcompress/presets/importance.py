@@ -50,7 +50,8 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   are the document's end, not a question, and the sentences they pick take the allowance a fact needs.
 - ``kvzip-copy-heads-whole``: kvzip-copy-heads-noquery whose copy heads give their whole room to sentences
   (guard ``share`` 1, ``token_share`` 0; the heads without sentences unchanged): the sentences' allowance
-  is what bounds the facts a question-free cache can hold, and it lives in 5 of 90 heads.
+  bounds the facts a question-free cache can hold, and it lives in 5 of 90 heads. A facts-first trade
+  (more facts on hard windows, a few % more KL), not a replacement for noquery.
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -283,11 +284,11 @@ def _d2o(name: str, guard: StrategySpec) -> PipelineConfig:
     )
 
 
-
 @register_preset("kvzip-copy-heads-whole")
 def kvzip_copy_heads_whole() -> PipelineConfig:
     """kvzip-copy-heads-noquery whose copy heads keep sentences in their whole room (guard ``share``
-    ``WHOLE_SHARE``, no per-head tokens there; every other head as before): on a question-free cache the
-    facts held are bounded by how many ranked sentences fit the few heads that retrieve, and those heads'
-    per-head tokens served the continuation that the other 85 heads already serve."""
+    ``WHOLE_SHARE``, no per-head tokens there; the other heads keep their own quotas, split by Ada-KV
+    among themselves where a layer holds a copy head): on a question-free cache the facts held are
+    bounded by how many ranked sentences fit the few heads that retrieve. Those heads' per-head tokens
+    also served the continuation, so this costs a few % of KL (docs/results.md, session 27)."""
     return _with_guard(kvzip_copy_heads_noquery(), "kvzip-copy-heads-whole", share=WHOLE_SHARE, token_share=0.0)
