@@ -94,18 +94,23 @@ def generate(
 
 
 def keep_summary(report: dict) -> dict:
-    """keep_reached (worst head's slots / context tokens after the prefill), keep_mean and
-    budget_met, from a generation report (``slots_per_layer``, ``valid_slots_per_layer``,
-    ``context_tokens`` and the ``pipeline`` config dict)."""
+    """keep_reached (worst head's slots / context tokens after the prefill), keep_mean, keep_total
+    (the cache's size: slots of every layer / (layers * tokens)) and budget_met (every layer within
+    its share of the budget, ``budget_scale_per_layer``, and the cache within the budget), from a
+    generation report (``slots_per_layer``, ``valid_slots_per_layer``, ``context_tokens`` and the
+    ``pipeline`` config dict)."""
     tokens = max(1, int(report["context_tokens"]))
     slots = report.get("slots_per_layer") or [tokens]
     valid = report.get("valid_slots_per_layer") or slots
-    out = {"keep_reached": round(max(slots) / tokens, 5), "keep_mean": round(sum(valid) / len(valid) / tokens, 5)}
+    scales = report.get("budget_scale_per_layer") or [1.0] * len(slots)
+    out = {"keep_reached": round(max(slots) / tokens, 5), "keep_mean": round(sum(valid) / len(valid) / tokens, 5),
+           "keep_total": round(sum(slots) / len(slots) / tokens, 5)}
     cfg = report.get("pipeline")
     if cfg is None:
         out["budget_met"] = True
     else:
         short = tokens <= cfg.get("sinks", 0) + cfg.get("recent", 0)  # stays whole by design
-        cap = max(1, int(tokens * cfg["keep_ratio"] + 1e-9)) if cfg.get("keep_ratio") is not None else cfg["max_slots"]
-        out["budget_met"] = bool(short or max(slots) <= cap)
+        even = tokens * cfg["keep_ratio"] if cfg.get("keep_ratio") is not None else cfg["max_slots"]
+        layers_ok = all(n <= max(1, int(even * s + 1e-9)) for n, s in zip(slots, scales))
+        out["budget_met"] = bool(short or (layers_ok and sum(slots) <= even * len(slots) + 1e-9))
     return out

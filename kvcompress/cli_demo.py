@@ -214,7 +214,8 @@ def format_report(r: dict) -> str:
         f"({ratio:.0%}); {r['decode_compressions']} decode-time recompressions",
         f"slots     per layer min {min(slots)} / mean {sum(slots) / len(slots):.0f} / max {max(slots)} "
         f"of {r['context_tokens']} tokens: {slots}",
-        f"keep      reached {r['keep_reached']:.3f} (worst head), mean {r['keep_mean']:.3f}; budget "
+        f"keep      reached {r['keep_total']:.3f} (cache), {r['keep_reached']:.3f} (worst head), "
+        f"mean {r['keep_mean']:.3f}; budget "
         f"{'met' if r['budget_met'] else 'NOT met: ' + str(r.get('budget_note'))}",
         f"times     load {r['load_s']:.1f} s, prefill {r['prefill_s']:.2f} s, "
         + "".join(f"{name} pass {r[key]:.2f} s, " for key, name in (("reconstruct_s", "reconstruction"),

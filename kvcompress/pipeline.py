@@ -15,10 +15,10 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from .budget import target_slots as budget_slots
+from .budget import LAYER_SCALE, target_slots as budget_slots
 from .config import PipelineConfig, as_config
-from .protocols import (ClusterPlan, CrossLayerGuard, FitsComposedPlan, FloorAware, HoleTolerant, MergesInPlace,
-                        Needs, PersistentGuard, budget_scope_of, needs_of)
+from .protocols import (ClusterPlan, CrossLayerGuard, FitsComposedPlan, FloorAware, HoleTolerant, LayerBudgetGuard,
+                        MergesInPlace, Needs, PersistentGuard, budget_scope_of, needs_of)
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
 from .validation import check_int, require
@@ -196,6 +196,9 @@ class Pipeline:
         self.guards = tuple(GUARDS.create(g.name, g.params) for g in cfg.guards)
         self._cross = tuple(g for g in self.guards if isinstance(g, CrossLayerGuard))
         self._persistent = tuple(g for g in self.guards if isinstance(g, PersistentGuard) and g.persistent)
+        self._layer_budgets = tuple(g for g in self._cross if isinstance(g, LayerBudgetGuard))
+        require(len(self._layer_budgets) <= 1, "guards", [type(g).__name__ for g in self._layer_budgets],
+                "at most one guard that splits the budget over the layers")
         strategies = (self.chunker, self.clusterer, self.merger, *self.guards)
         # rounds after the first merge in place (merged slots left as padding, one compaction at
         # the end) when everything that looks at a round's state sees slots only through ``valid``
@@ -235,7 +238,7 @@ class Pipeline:
         if not self._cross:
             return
         first = states[0]
-        budget = self._targets(first, None, target_floor).amin(-1)  # [B]
+        budget = self._targets(first, None, target_floor, scaled=False).amin(-1)  # [B]: an even split's
         T = first.num_tokens
         pos = torch.arange(T, device=first.keys.device)[None, :]  # [1, T]
         rel = pos - first.start()[:, None]
@@ -244,11 +247,20 @@ class Pipeline:
             guard.prepare(states, budget, already)
 
     def _prepared(self, state: KVState, target_floor: Tensor | None = None) -> KVState:
-        """Prepare cross-layer guards from this layer when nobody did, and mark the slots of
-        persistent guards in ``extras[GUARD_MARK]`` so later compressions keep them."""
+        """Prepare cross-layer guards from this layer when nobody did, mark the slots of
+        persistent guards in ``stats[GUARD_MARK]`` so later compressions keep them, and carry the
+        layer's share of the budget (``extras[LAYER_SCALE]``) from its first compression on."""
         if GUARD_MARK not in state.stats:
             if any(not g.prepared_for(state) for g in self._cross):
                 self._prepare([state], target_floor)
+        if self._layer_budgets and LAYER_SCALE not in state.extras:
+            (guard,) = self._layer_budgets
+            scale = guard.layer_scale(state) if guard.prepared_for(state) else None
+            if scale is not None:
+                require(isinstance(scale, Tensor) and tuple(scale.shape) == (state.batch_size,)
+                        and bool((scale > 0).all()), "layer_scale", tuple(getattr(scale, "shape", ())),
+                        f"a [B] = ({state.batch_size},) tensor of positive factors")
+                state = state.replace(extras={**state.extras, LAYER_SCALE: scale.to(torch.float64)})
         if not self._persistent:
             return state
         mark = torch.zeros_like(state.valid)
@@ -260,19 +272,22 @@ class Pipeline:
         return state.replace(stats={**state.stats, GUARD_MARK: mark.to(torch.uint8)})
 
     # ------------------------------------------------------------------ budget & protection
-    def target_slots(self, state: KVState, layer_idx: int | None = None) -> Tensor:
-        """[B, H] long: slots each head may keep."""
+    def target_slots(self, state: KVState, layer_idx: int | None = None, *, scaled: bool = True) -> Tensor:
+        """[B, H] long: slots each head may keep (with ``scaled``, the layer's share of the budget
+        that its state carries in ``extras[LAYER_SCALE]``; without, an even split's)."""
         cfg = self.config
         B, H = state.batch_size, state.num_heads
-        per_row = budget_slots(state.real_tokens(), cfg.keep_ratio, cfg.max_slots)  # [B]
+        scale = state.extras.get(LAYER_SCALE) if scaled else None
+        per_row = budget_slots(state.real_tokens(), cfg.keep_ratio, cfg.max_slots, scale)  # [B]
         target = per_row[:, None].expand(B, H).clone()
         for head in self.full_heads(layer_idx, H):
             target[:, head] = state.valid[:, head].sum(-1)
         return target.to(state.keys.device)
 
-    def _targets(self, state: KVState, layer_idx: int | None, target_floor: Tensor | None) -> Tensor:
+    def _targets(self, state: KVState, layer_idx: int | None, target_floor: Tensor | None,
+                 scaled: bool = True) -> Tensor:
         """[B, H] long: ``target_slots``, raised to ``target_floor`` where one is given."""
-        target = self.target_slots(state, layer_idx)
+        target = self.target_slots(state, layer_idx, scaled=scaled)
         return target if target_floor is None else torch.maximum(target, target_floor.to(target.device))
 
     def full_heads(self, layer_idx: int | None, num_heads: int) -> list[int]:
@@ -406,8 +421,8 @@ class Pipeline:
                     (tuple(protect.shape), protect.dtype), f"a bool mask of shape {tuple(state.valid.shape)}")
             # merging carries ``protected`` slot for slot, so the mask holds for every round
             state = state.replace(protected=protect if own is None else own | protect)
+        current = state = self._prepared(state, target_floor)  # first: it may carry the layer's budget share
         target = self._row_targets(state, self._targets(state, layer_idx, target_floor))
-        current = state = self._prepared(state, target_floor)
         # a merger fitted once: the rounds merge with its plain merger, their plans composed
         fits_once = isinstance(self.merger, FitsComposedPlan)
         merger = self.merger.round_merger if fits_once else self.merger

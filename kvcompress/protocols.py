@@ -165,6 +165,19 @@ class CrossLayerGuard(Protocol):
 
 
 @runtime_checkable
+class LayerBudgetGuard(CrossLayerGuard, Protocol):
+    """A cross-layer guard that also splits the cache's budget over the layers: after ``prepare``,
+    ``layer_scale(state)`` is the factor of this layer's budget relative to an even split ([B]
+    float, the factors of one row averaging 1 over the layers prepare saw), or None for an even
+    split. The pipeline writes it into the layer's ``extras[LAYER_SCALE]`` at the layer's first
+    compression, and every later budget of that layer (decode time, another pipeline instance)
+    reads it from there."""
+
+    def layer_scale(self, state: KVState) -> Tensor | None:
+        ...
+
+
+@runtime_checkable
 class PersistentGuard(Protocol):
     """A guard whose slots (when ``persistent`` is True) are marked once in ``stats["guarded"]``,
     so later compressions keep them without deciding again."""

@@ -151,7 +151,7 @@ def _with_model_pass(model, snapshot: Snapshot, pipe, backend: str, tokenizer) -
         cache.compress()
     copy_s = time.perf_counter() - start
     reconstruct_s = float(cache.stats.get("reconstruct_s", 0.0))
-    keep_mean, keep_max, met = keep_reached(cache)
+    keep_mean, keep_max, met, _ = keep_reached(cache)
     return Built(cache, float(cache.stats["compress_s"]), copy_s - reconstruct_s, met, keep_mean, keep_max,
                  reconstruct_s)
 

@@ -154,7 +154,7 @@ def run_agreement(model, tokenizer, windows, grid: Grid, store: CellStore, *, ne
                     "reference": tokenizer.decode(reference, skip_special_tokens=True),
                     "context_tokens": int(prompt.head.shape[1]),
                     "keep_max": round(copy.keep_max, 5), "keep_mean": round(copy.keep_mean, 5),
-                    "budget_met": bool(copy.keep_max <= budget + 1e-9), "layers_met": copy.layers_met,
+                    "keep_total": round(copy.keep_total, 5), "budget_met": copy.meets(budget), "layers_met": copy.layers_met,
                     "prefill_s": round(rec.prefill_s, 4), "compress_s": round(copy.compress_s, 4),
                     "reconstruct_s": round(copy.reconstruct_s, 4), "decode_s": round(decode_s, 4),
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..budget import LAYER_SCALE
 from ..config import PipelineConfig
 from ..pipeline import Pipeline
 from ..protocols import Needs
@@ -187,10 +188,16 @@ class Copy:
 
     cache: object
     compress_s: float
-    keep_max: float  # max over layers and heads of slots / tokens
+    keep_max: float  # max over layers and heads of slots / tokens (/ the layer's budget factor, when it has one)
     keep_mean: float  # mean over layers and heads of slots / tokens
     layers_met: bool  # every layer's pipeline report said the budget was met
     trace: dict = field(default_factory=dict)  # mark name -> means over layers of trace_mark
+    keep_total: float | None = None  # the cache's size: sum over layers of the largest head's slots / (L * tokens)
+
+    def meets(self, budget: float) -> bool:
+        """Every head within its layer's share of ``budget`` and the cache within ``budget``."""
+        total = self.keep_max if self.keep_total is None else self.keep_total
+        return bool(self.keep_max <= budget + 1e-9 and total <= budget + 1e-9)
 
 
 def as_needed(state: KVState, needs: Needs, name: str) -> KVState:
@@ -239,7 +246,7 @@ def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protec
         cache.compress(protect=tokens)
     compress_s = time.perf_counter() - start
 
-    keep_mean, keep_max, met = keep_reached(cache)
+    keep_mean, keep_max, met, keep_total = keep_reached(cache)
     traces: dict[int, dict] = {}
     for i in cache.compressed_layer_ids():
         report = cache.layers[i].last_report
@@ -255,17 +262,26 @@ def compressed_copy(model, snapshot: Snapshot, config: PipelineConfig, *, protec
             rows = [t[name] for t in traces.values()]
             trace[name] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
             trace[name]["alone_per_layer"] = [round(traces[i][name]["alone"], 3) for i in sorted(traces)]
-    return Copy(cache=cache, compress_s=compress_s, keep_max=keep_max, keep_mean=keep_mean, layers_met=met, trace=trace)
+    return Copy(cache=cache, compress_s=compress_s, keep_max=keep_max, keep_mean=keep_mean, layers_met=met,
+                trace=trace, keep_total=keep_total)
 
 
-def keep_reached(cache) -> tuple[float, float, bool]:
-    """(mean keep, worst keep, every layer met its budget) of a compressed ``CompressedCache``
-    over its compressed layers: slots per head / real tokens seen (left padding excluded)."""
-    ratios, met = [], True
+def keep_reached(cache) -> tuple[float, float, bool, float]:
+    """(mean keep, worst keep, every layer met its budget, total keep) of a compressed
+    ``CompressedCache`` over its compressed layers: slots per head / real tokens seen (left padding
+    excluded). The worst keep is relative to the layer's share of the budget (``LAYER_SCALE``,
+    a layer given twice an even share may keep twice as much); the total keep is the cache's size,
+    the sum over layers of the largest head's slots over L * tokens (the worst row's)."""
+    ratios, scaled, widest, met = [], [], [], True
     skip = 0 if cache.seq_start is None else int(cache.seq_start.max())
     for i in cache.compressed_layer_ids():
         layer = cache.layers[i]
-        ratios.append(layer.valid_slots().double() / max(layer.num_tokens - skip, 1))  # [B, H] (float32 reads 200/1000 as > 0.2)
+        keep = layer.valid_slots().double() / max(layer.num_tokens - skip, 1)  # [B, H] (float32 reads 200/1000 as > 0.2)
+        scale = layer.extras.get(LAYER_SCALE)
+        ratios.append(keep)
+        scaled.append(keep if scale is None else keep / scale.to(keep)[:, None])
+        widest.append(keep.max(-1).values)  # [B]
         met = met and (layer.last_report is None or bool(layer.last_report.budget_met))
     keep = torch.stack(ratios)  # [L, B, H]
-    return float(keep.mean()), float(keep.max()), met
+    total = torch.stack(widest).mean(0).max()  # [L, B] -> the worst row
+    return float(keep.mean()), float(torch.stack(scaled).max()), met, float(total)

@@ -108,7 +108,7 @@ def run_fidelity(model, tokenizer, windows, grid: Grid, store: CellStore, *, pre
                     "budget": budget, "protocol": PROTOCOL, "prefix": prefix, "continuation": int(cont.shape[1]),
                     "chunk": chunk, **metrics,
                     "keep_max": round(copy.keep_max, 5), "keep_mean": round(copy.keep_mean, 5),
-                    "budget_met": bool(copy.keep_max <= budget + 1e-9), "layers_met": copy.layers_met,
+                    "keep_total": round(copy.keep_total, 5), "budget_met": copy.meets(budget), "layers_met": copy.layers_met,
                     "prefill_s": round(rec.prefill_s, 4), "prefill_forwards": rec.forwards,
                     "compress_s": round(copy.compress_s, 4), "reconstruct_s": round(copy.reconstruct_s, 4),
                     "decode_s": round(seconds, 4),

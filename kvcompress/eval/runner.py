@@ -172,7 +172,7 @@ def _run_sample(model, tokenizer, sample: QASample, cells, store, *, chat, backe
             "context_tokens": context_tokens, "compressed_tokens": snap.num_tokens,
             "expected": list(sample.answers), "answer": answer, **scores, "prompt_sha": prompt_hash(sample),
             "keep_max": round(copy.keep_max, 5), "keep_mean": round(copy.keep_mean, 5),
-            "budget_met": bool(copy.keep_max <= budget + 1e-9), "layers_met": copy.layers_met,
+            "keep_total": round(copy.keep_total, 5), "budget_met": copy.meets(budget), "layers_met": copy.layers_met,
             "protected": protect, "trace": copy.trace,
             "prefill_s": round(prefill_s, 4), "prefill_forwards": forwards,
             "compress_s": round(copy.compress_s, 4), "reconstruct_s": round(copy.reconstruct_s, 4), "decode_s": round(decode_s, 4), "new_tokens": len(new),

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from ..budget import LAYER_SCALE
 from ..config import PipelineConfig, as_config
 from ..pipeline import Pipeline
 from ..protocols import Needs
@@ -467,6 +468,15 @@ class CompressedCache(Cache):
         return [float(self.layers[i].valid_slots().float().mean()) if self.layers[i].is_initialized else 0.0
                 for i in self._full]
 
+    def budget_scale_per_layer(self) -> list[float]:
+        """Each compressed layer's share of the budget relative to an even split (1.0 unless a
+        cross-layer guard split it, ``kvcompress.budget.LAYER_SCALE``; the smallest row's)."""
+        out = []
+        for i in self._full:
+            scale = self.layers[i].extras.get(LAYER_SCALE)
+            out.append(1.0 if scale is None else round(float(scale.min()), 6))
+        return out
+
     def kv_bytes(self) -> int:
         """Bytes of keys, values and log-sizes of the slots in use (sliding layers: their window)."""
         return sum(self.layers[i].nbytes() for i in self._full) + self._sliding_bytes()
@@ -497,6 +507,7 @@ class CompressedCache(Cache):
             "kv_bytes_allocated": self.allocated_bytes(),
             "slots_per_layer": self.slots_per_layer(),
             "valid_slots_per_layer": [round(x, 2) for x in self.valid_slots_per_layer()],
+            "budget_scale_per_layer": self.budget_scale_per_layer(),
             "compressed_layers": list(self._full),
             "compress_s": self.stats["compress_s"],
             "compressions": self.stats["compressions"],

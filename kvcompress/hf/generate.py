@@ -141,6 +141,7 @@ def generate(model, tokenizer, context: str, *, question: str | None = None, pip
         "compression_ratio": after_prefill["kv_bytes_compressed"] / max(1, after_prefill["kv_bytes_full"]),
         "slots_per_layer": after_prefill["slots_per_layer"],
         "valid_slots_per_layer": after_prefill["valid_slots_per_layer"],
+        "budget_scale_per_layer": after_prefill["budget_scale_per_layer"],
         "prefill_s": prefill_total - compress_s - reconstruct_s - surprisal_s,
         "compress_s": compress_s,
         "reconstruct_s": reconstruct_s,

@@ -52,6 +52,11 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   (guard ``share`` 1, ``token_share`` 0; the heads without sentences unchanged): the sentences' allowance
   bounds the facts a question-free cache can hold, and it lives in 5 of 90 heads. A facts-first trade
   (more facts on hard windows, a few % more KL), not a replacement for noquery.
+- ``kvzip-copy-heads-layers``: kvzip-copy-heads-noquery with the budget split over the layers (guard
+  ``copy_layer_scale`` ``COPY_LAYER_SCALE``): the layers holding a copy head keep twice an even share, the
+  others less, the cache's size the budget's. The copy heads keep their sentences and, beside them, what the
+  window queries need (SnapKV's choice), which the sentences had displaced: a continuation that repeats the
+  document's own key phrase lost it under noquery (results/issue18-s28).
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -92,6 +97,9 @@ PASS_LEAD = 32
 # kvzip-copy-heads-whole: the copy heads' room all to sentences (offline, session 27: the noquery ranking's
 # needle fitted the 0.8 allowance in 15 of 21 spent windows, the whole room in 18 of 21; results/issue18-s27)
 WHOLE_SHARE = 1.0
+# kvzip-copy-heads-layers: a copy layer's budget against an even split (dev probe, session 28, fidelity windows of
+# seeds 19/22/23 at keep 0.25, the other layers keeping what is left: results/issue18-s28/layer-budget-*.jsonl)
+COPY_LAYER_SCALE = 2.0
 
 
 def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
@@ -292,3 +300,13 @@ def kvzip_copy_heads_whole() -> PipelineConfig:
     bounded by how many ranked sentences fit the few heads that retrieve. Those heads' per-head tokens
     also served the continuation, so this costs a few % of KL (docs/results.md, session 27)."""
     return _with_guard(kvzip_copy_heads_noquery(), "kvzip-copy-heads-whole", share=WHOLE_SHARE, token_share=0.0)
+
+
+@register_preset("kvzip-copy-heads-layers")
+def kvzip_copy_heads_layers() -> PipelineConfig:
+    """kvzip-copy-heads-noquery with the budget split over the layers (guard ``copy_layer_scale``): a
+    layer holding one of the copy heads keeps ``COPY_LAYER_SCALE`` times an even share, the others less
+    (the cache's size is the budget's). The sentences' allowance stays what it was (``allowance_keep``
+    caps it), so a copy head's extra slots go to SnapKV's window choice: what the text right before
+    the next input needs, which the sentences displaced in those heads under noquery."""
+    return _with_guard(kvzip_copy_heads_noquery(), "kvzip-copy-heads-layers", copy_layer_scale=COPY_LAYER_SCALE)

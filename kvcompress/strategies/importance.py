@@ -83,6 +83,20 @@ def copy_of(state: KVState, who: str = "importance guard") -> Tensor:
     return x.float()
 
 
+MIN_LAYER_SCALE = 0.5  # copy_layer_scale: the least a layer gives to the copy layers (half its even share)
+
+
+def split_layers(copy_layers: int, layers: int, scale: float) -> tuple[float, float] | None:
+    """(copy layers' factor, other layers' factor) of an even split's budget, averaging 1 over
+    ``layers``: the copy layers ``scale`` (lowered until the others keep ``MIN_LAYER_SCALE``);
+    None when no layer or every layer holds a copy head (nothing to move)."""
+    c, L = copy_layers, layers
+    if c == 0 or c >= L:
+        return None
+    hi = min(scale, (L - MIN_LAYER_SCALE * (L - c)) / c)
+    return hi, (L - c * hi) / (L - c)
+
+
 def ranks01(x: Tensor, eligible: Tensor) -> Tensor:
     """[B, S] float32 in [0, 1]: each eligible entry's rank among the eligible entries of its row
     (1 = highest; ties broken by index), 0 for the others. x, eligible: [B, S]."""
@@ -216,6 +230,15 @@ class ImportanceGuard:
             ``head_budget`` says), on top of ``token_share``; the rest of them stays with the
             clusterer's choice. 0: all of them with the clusterer's choice. At or below keep
             ``allowance_keep`` it changes nothing
+    copy_layer_scale: with ``copy_heads`` < 1, the budget of a layer holding a copy head relative to
+            an even split over the layers (``LayerBudgetGuard``); the other layers keep less, so the
+            cache's size is the budget's (c copy layers of L: the others keep
+            (L - c * scale) / (L - c), at least ``MIN_LAYER_SCALE``; ``scale`` is lowered to fit).
+            The allowances stay those of an even split, so the extra slots of a copy layer go to
+            the clusterer's choice (SnapKV's window in the D2O presets): the copy heads keep their
+            sentences and what the continuation needs from them, which the sentences displaced. In
+            the other layers the per-head quotas shrink with the room the layer's budget leaves.
+            1: an even split (no layer scale)
     lead:   the lead-in the reconstruction pass gives every chunk after the first (``Needs.pass_lead``;
             0: KVzip's chunks, none). The pass feeds "repeat prompt + chunk", so a chunk's first
             tokens are reproduced before the model has found where in the context it is copying
@@ -241,7 +264,7 @@ class ImportanceGuard:
                  copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
                  query_heads: float = 1.0, band: int = 0, allowance_keep: float | None = None,
                  lead: int = 0, aligned: bool = False, fill_share: float = 0.0,
-                 ends: Sequence[str] = SENTENCE_ENDS):
+                 copy_layer_scale: float = 1.0, ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         if allowance_keep is not None:
             check_range("allowance_keep", allowance_keep, 0.0, 1.0, lo_open=True)
@@ -252,6 +275,11 @@ class ImportanceGuard:
         self.fill_share = float(fill_share)
         check_range("copy_heads", copy_heads, 0.0, 1.0, lo_open=True)
         self.copy_heads = float(copy_heads)
+        check_range("copy_layer_scale", copy_layer_scale, 1.0, 8.0)
+        require(copy_layer_scale == 1.0 or copy_heads < 1.0, "copy_layer_scale", copy_layer_scale,
+                "1 with copy_heads 1 (every layer holds the sentences: no layer to give more)")
+        self.copy_layer_scale = float(copy_layer_scale)
+        self._layer_scales: tuple[float, float] | None = None  # (copy layers', other layers') budget factor
         check_range("query_share", query_share, 0.0, 1.0)
         self.query_share = float(query_share)
         check_range("query_heads", query_heads, 0.0, 1.0, lo_open=True)
@@ -269,6 +297,9 @@ class ImportanceGuard:
         self.other_token_share = None if other_token_share is None else float(other_token_share)
         self._copy_thr: Tensor | None = None  # [B] lowest copy score of a sentence-keeping head
         self._allowance: Tensor | None = None  # [B] the sentences' allowance per head
+        self._budget: Tensor | None = None  # [B] the even budget, protected slots and room prepare saw
+        self._protected: Tensor | None = None
+        self._full_room: Tensor | None = None
         self._other: Tensor | None = None  # [B] own tokens of a head without sentences
         self.surprisal = float(surprisal)
         check_range("share", share, 0.0, 1.0)
@@ -296,7 +327,7 @@ class ImportanceGuard:
                 f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
                 f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band}, "
                 f"allowance_keep={self.allowance_keep}, lead={self.lead}, aligned={self.aligned}, "
-                f"fill_share={self.fill_share})")
+                f"fill_share={self.fill_share}, copy_layer_scale={self.copy_layer_scale})")
 
     @property
     def needs(self) -> Needs:
@@ -361,17 +392,34 @@ class ImportanceGuard:
         self._window = torch.floor(room.to(torch.float64) * self.window_share).long()
         self._cap = (full_room - allowance - self._window).clamp(min=0)  # what sentences and window leave
         self._allowance = allowance
+        self._budget, self._protected, self._full_room = budget.to(ids.device), protected, full_room
         self._other = fill + (allowance + own if self.other_token_share is None
                               else torch.floor(room.to(torch.float64) * self.other_token_share).long())
         self._copy_thr = None
+        self._layer_scales = None
         if self.copy_heads < 1.0:
-            x = torch.stack([copy_of(st) for st in states], 1).flatten(1)  # [B, L * H]
-            k = int(math.ceil(self.copy_heads * x.shape[1] - 1e-9))
-            self._copy_thr = x.topk(k, dim=-1).values[:, -1].to(ids.device)
+            x = torch.stack([copy_of(st) for st in states], 1)  # [B, L, H]
+            k = int(math.ceil(self.copy_heads * x[0].numel() - 1e-9))
+            self._copy_thr = x.flatten(1).topk(k, dim=-1).values[:, -1].to(ids.device)
+            if self.copy_layer_scale > 1.0:
+                # one split for every row, so that each row's cache is the budget's size: a layer
+                # holding a copy head of any row is a copy layer
+                copy_layers = (x >= self._copy_thr.to(x.device)[:, None, None]).any(-1).any(0)  # [L]
+                self._layer_scales = split_layers(int(copy_layers.sum()), len(states), self.copy_layer_scale)
 
     def chosen_tokens(self) -> Tensor | None:
         """[B, T0] bool: tokens of the chosen sentences (None before ``prepare``)."""
         return self._keep
+
+    def layer_scale(self, state: KVState) -> Tensor | None:
+        """[B] float: this layer's budget relative to an even split (``copy_layer_scale``), or
+        None for an even split (scale 1, or not prepared for this state's sequence)."""
+        if self._layer_scales is None or not self.prepared_for(state):
+            return None
+        hi, lo = self._layer_scales
+        dev = state.keys.device
+        copy_layer = bool((copy_of(state).to(dev) >= self._copy_thr.to(dev)[:, None]).any())
+        return torch.full((state.batch_size,), hi if copy_layer else lo, dtype=torch.float64, device=dev)
 
     def __call__(self, state: KVState) -> Tensor:
         """[B, H, N] bool: slots holding a token of a chosen sentence."""
@@ -393,6 +441,14 @@ class ImportanceGuard:
             # a head without sentences: its own tokens, within what the window leaves
             tokens = torch.where(sentences, tokens, other)
             cap = torch.where(sentences, cap, (self._cap + self._allowance).to(dev)[:, None])
+            scale = self.layer_scale(state)
+            if scale is not None and bool((scale < 1).any()):
+                # a layer that gave room: its quotas shrink with the room its budget leaves beside
+                # the slots protected anyway (which do not shrink)
+                smaller = (torch.floor(self._budget.to(dev, torch.float64) * scale) - self._protected.to(dev)).clamp(min=0)
+                factor = (smaller / self._full_room.to(dev).clamp(min=1)).clamp(max=1.0)[:, None]  # [B, 1]
+                tokens = torch.floor(tokens.to(torch.float64) * factor).long()
+                cap = torch.floor(cap.to(torch.float64) * factor).long()
         if bool((tokens > 0).any()):
             from .eviction import rank_desc
 
