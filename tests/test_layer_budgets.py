@@ -188,3 +188,40 @@ def test_generate_meets_the_budget_as_the_cache_size(model, tok):
         assert met and worst <= 0.25 + 1e-9 and total <= 0.25 + 1e-9 and mean <= 0.25 + 1e-9
     finally:
         cache.close()
+
+
+def test_decoding_through_the_cache_keeps_each_layer_at_its_share(model, tok):
+    """Token by token over a compressed cache (recompress_every 4): every layer stays within its
+    own share + g, the copy layer above an even split's budget (never squeezed back to it), and a
+    deep copy (one document, many questions) carries the shares."""
+    import copy
+
+    from kvcompress.hf import CompressedCache
+
+    g = 4
+    cache = CompressedCache.for_model(model, tok, "kvzip-copy-heads-layers", keep_ratio=0.25, backend="sdpa",
+                                      recent=8, recompress_every=g)
+    try:
+        ids = tok(TEXT, return_tensors="pt")["input_ids"]
+        cache.prefill(ids)
+        shares = cache.budget_scale_per_layer()
+        assert max(shares) > 1 > min(shares)
+        twin = copy.deepcopy(cache)
+        assert twin.budget_scale_per_layer() == shares
+        gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for step in range(3 * g + 1):
+                nxt = torch.randint(0, 200, (1, 1), generator=gen)
+                mask = torch.ones(1, cache.num_tokens + 1, dtype=torch.long)
+                model(input_ids=nxt, attention_mask=mask, cache=cache)
+                T = cache.num_tokens
+                for i, share in zip(cache.compressed_layer_ids(), shares):
+                    held = int(cache.layers[i].valid_slots().max())
+                    assert held <= max(1, math.floor(T * 0.25 * share + 1e-9)) + g, (step, i, held)
+        assert cache.stats["decode_compressions"] > 0
+        assert cache.budget_scale_per_layer() == shares
+        wide = [i for i, s in zip(cache.compressed_layer_ids(), shares) if s > 1]
+        assert all(int(cache.layers[i].valid_slots().min()) > math.floor(cache.num_tokens * 0.25) for i in wide)
+        twin.close()
+    finally:
+        cache.close()

@@ -50,7 +50,6 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from ..budget import LAYER_SCALE
 from ..config import PipelineConfig, as_config
 from ..pipeline import Pipeline
 from ..protocols import Needs
@@ -471,11 +470,8 @@ class CompressedCache(Cache):
     def budget_scale_per_layer(self) -> list[float]:
         """Each compressed layer's share of the budget relative to an even split (1.0 unless a
         cross-layer guard split it, ``kvcompress.budget.LAYER_SCALE``; the smallest row's)."""
-        out = []
-        for i in self._full:
-            scale = self.layers[i].extras.get(LAYER_SCALE)
-            out.append(1.0 if scale is None else round(float(scale.min()), 6))
-        return out
+        shares = [self.layers[i].budget_share() for i in self._full]
+        return [1.0 if share is None else round(share, 6) for share in shares]
 
     def kv_bytes(self) -> int:
         """Bytes of keys, values and log-sizes of the slots in use (sliding layers: their window)."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
+from ..budget import LAYER_SCALE
 from ..types import NEG_INF, KVState
 from ..validation import require
 
@@ -78,6 +79,7 @@ class CompressedLayer(CacheLayerMixin):
         self.n = 0  # slots in use (padding slots of heads with fewer slots included)
         self.num_tokens = 0  # tokens seen
         self.queries: Tensor | None = None  # [B, Hq, W, D], the last W queries
+        self._share_read: tuple | None = None  # (extras[LAYER_SCALE] tensor, its smallest row as a float)
         self.compressed = False  # slots != tokens since an install
         self.last_report = None
         self.device = None
@@ -133,6 +135,16 @@ class CompressedLayer(CacheLayerMixin):
         """
         view = self.n if (q > 1 or fresh) else min(_round_up(self.n), self.capacity)
         return self._k[:, :, :view], self._v[:, :, :view], self._ls[:, :, :view]
+
+    def budget_share(self) -> float | None:
+        """The layer's share of the budget (``extras[LAYER_SCALE]``, the smallest row's) or None
+        for an even split; read from the tensor once per state installed, not once per decode step."""
+        scale = self.extras.get(LAYER_SCALE)
+        if scale is None:
+            return None
+        if self._share_read is None or self._share_read[0] is not scale:
+            self._share_read = (scale, float(scale.min()))
+        return self._share_read[1]
 
     def valid_slots(self) -> Tensor:
         """[B, H] long: slots holding tokens."""

@@ -29,7 +29,7 @@ import time
 import torch
 from torch import Tensor
 
-from ..budget import LAYER_SCALE, target_slots
+from ..budget import target_slots
 from ..decode import FRONTIER_KEY, DecodeCompressor
 from ..pipeline import Pipeline
 from ..protocols import Needs
@@ -146,9 +146,9 @@ class Scheduler:
         slots and every row's budget is at least that of the row with the fewest real tokens."""
         cfg = self.pipeline.config
         limit = target_slots(layer.num_tokens - cache._max_left_pad, cfg.keep_ratio, cfg.max_slots)
-        scale = layer.extras.get(LAYER_SCALE)
-        if scale is not None:  # a layer with its own share of the budget: the smallest row's
-            limit = max(1, math.floor(limit * float(scale.min())))
+        share = layer.budget_share()
+        if share is not None:  # a layer with its own share of the budget: the smallest row's
+            limit = max(1, math.floor(limit * share))
         return layer.n > limit + cfg.recompress_every
 
     # ------------------------------------------------------------------ every layer at once
