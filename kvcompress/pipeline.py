@@ -272,12 +272,12 @@ class Pipeline:
         return state.replace(stats={**state.stats, GUARD_MARK: mark.to(torch.uint8)})
 
     # ------------------------------------------------------------------ budget & protection
-    def target_slots(self, state: KVState, layer_idx: int | None = None, *, scaled: bool = True) -> Tensor:
-        """[B, H] long: slots each head may keep (with ``scaled``, the layer's share of the budget
-        that its state carries in ``extras[LAYER_SCALE]``; without, an even split's)."""
+    def target_slots(self, state: KVState, layer_idx: int | None = None) -> Tensor:
+        """[B, H] long: slots each head may keep (the layer's share of the budget when its state
+        carries one in ``extras[LAYER_SCALE]``)."""
         cfg = self.config
         B, H = state.batch_size, state.num_heads
-        scale = state.extras.get(LAYER_SCALE) if scaled else None
+        scale = state.extras.get(LAYER_SCALE)
         per_row = budget_slots(state.real_tokens(), cfg.keep_ratio, cfg.max_slots, scale)  # [B]
         target = per_row[:, None].expand(B, H).clone()
         for head in self.full_heads(layer_idx, H):
@@ -286,8 +286,11 @@ class Pipeline:
 
     def _targets(self, state: KVState, layer_idx: int | None, target_floor: Tensor | None,
                  scaled: bool = True) -> Tensor:
-        """[B, H] long: ``target_slots``, raised to ``target_floor`` where one is given."""
-        target = self.target_slots(state, layer_idx, scaled=scaled)
+        """[B, H] long: ``target_slots``, raised to ``target_floor`` where one is given; without
+        ``scaled``, an even split's (the layer's share left out)."""
+        if not scaled and LAYER_SCALE in state.extras:
+            state = state.replace(extras={k: v for k, v in state.extras.items() if k != LAYER_SCALE})
+        target = self.target_slots(state, layer_idx)
         return target if target_floor is None else torch.maximum(target, target_floor.to(target.device))
 
     def full_heads(self, layer_idx: int | None, num_heads: int) -> list[int]:
