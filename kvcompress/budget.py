@@ -55,4 +55,10 @@ def target_slots(real_tokens, keep_ratio: float | None, max_slots: int | None, s
     return max(1, math.floor(real_tokens * keep_ratio + _EPS))
 
 
-__all__ = ["LAYER_SCALE", "target_slots"]
+def smallest_share(limit: int, share: float | None) -> int:
+    """An int budget ``limit`` (an even split's, the smallest row's) under a layer's share of the
+    budget (the smallest row's factor, or None): the cheap per-step checks' lower bound."""
+    return limit if share is None else max(1, math.floor(limit * share))
+
+
+__all__ = ["LAYER_SCALE", "smallest_share", "target_slots"]

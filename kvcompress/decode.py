@@ -47,13 +47,12 @@ after them. Decisions and results are identical to recomputing the floor every s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .budget import LAYER_SCALE, target_slots
+from .budget import LAYER_SCALE, smallest_share, target_slots
 from .pipeline import GUARD_MARK, Pipeline
 from .protocols import AppendMonotone, CrossLayerGuard, DecodeScoped, FloorAware, OpenTail
 from .types import CompressionReport, KVState
@@ -205,9 +204,8 @@ class DecodeCompressor:
         # the smallest row's target; left padding only shrinks a row
         padding = 0 if state.seq_start is None else int(state.seq_start.max())
         lower = target_slots(state.num_tokens - padding, cfg.keep_ratio, cfg.max_slots)
-        scale = state.extras.get(LAYER_SCALE)
-        if scale is not None:  # the layer's own share of the budget, the smallest row's
-            lower = max(1, math.floor(lower * float(scale.min())))
+        scale = state.extras.get(LAYER_SCALE)  # the layer's own share of the budget, if it has one
+        lower = smallest_share(lower, None if scale is None else float(scale.min()))
         if state.num_slots <= lower + g:
             return False  # called every step: decide from Python ints when the tensor is small enough
         valid = state.valid

@@ -197,8 +197,6 @@ class Pipeline:
         self._cross = tuple(g for g in self.guards if isinstance(g, CrossLayerGuard))
         self._persistent = tuple(g for g in self.guards if isinstance(g, PersistentGuard) and g.persistent)
         self._layer_budgets = tuple(g for g in self._cross if isinstance(g, LayerBudgetGuard))
-        require(len(self._layer_budgets) <= 1, "guards", [type(g).__name__ for g in self._layer_budgets],
-                "at most one guard that splits the budget over the layers")
         strategies = (self.chunker, self.clusterer, self.merger, *self.guards)
         # rounds after the first merge in place (merged slots left as padding, one compaction at
         # the end) when everything that looks at a round's state sees slots only through ``valid``
@@ -254,9 +252,12 @@ class Pipeline:
             if any(not g.prepared_for(state) for g in self._cross):
                 self._prepare([state], target_floor)
         if self._layer_budgets and LAYER_SCALE not in state.extras:
-            (guard,) = self._layer_budgets
-            scale = guard.layer_scale(state) if guard.prepared_for(state) else None
-            if scale is not None:
+            scales = [s for g in self._layer_budgets if g.prepared_for(state) for s in [g.layer_scale(state)]
+                      if s is not None]
+            require(len(scales) <= 1, "guards", [type(g).__name__ for g in self._layer_budgets],
+                    "at most one guard that splits the budget over the layers (the others at scale 1)")
+            if scales:
+                (scale,) = scales
                 require(isinstance(scale, Tensor) and tuple(scale.shape) == (state.batch_size,)
                         and bool((scale > 0).all()), "layer_scale", tuple(getattr(scale, "shape", ())),
                         f"a [B] = ({state.batch_size},) tensor of positive factors")

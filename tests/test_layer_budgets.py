@@ -225,3 +225,24 @@ def test_decoding_through_the_cache_keeps_each_layer_at_its_share(model, tok):
         twin.close()
     finally:
         cache.close()
+
+
+def test_two_guards_that_could_split_may_coexist_while_at_most_one_splits():
+    """Every importance guard can split the budget, but only one with copy_layer_scale > 1 may do
+    so in a pipeline: two guards at scale 1 compress as before; two splitting ones are refused
+    with an error naming the guards, before the state is changed."""
+    states = _layers(L=6)
+    cfg = get_preset("kvzip-copy-heads-layers", keep_ratio=0.25, on_infeasible="error")
+    (guard,) = cfg.guards
+    even = {"name": guard.name, "params": {**guard.params, "copy_layer_scale": 1.0}}
+    pipe = Pipeline(cfg.replace(guards=(even, even)))
+    pipe.prepare(states)
+    out, _ = pipe.compress(states[4], layer_idx=4)
+    assert LAYER_SCALE not in out.extras and bool((out.valid.sum(-1) == 60).all())
+    split = {"name": guard.name, "params": dict(guard.params)}
+    twice = Pipeline(cfg.replace(guards=(split, split)))
+    twice.prepare(states)
+    before = states[4].keys.clone()
+    with pytest.raises(ValueError, match="at most one guard"):
+        twice.compress(states[4], layer_idx=4)
+    assert torch.equal(states[4].keys, before) and LAYER_SCALE not in states[4].extras

@@ -23,13 +23,12 @@ its own slots.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 from torch import Tensor
 
-from ..budget import target_slots
+from ..budget import smallest_share, target_slots
 from ..decode import FRONTIER_KEY, DecodeCompressor
 from ..pipeline import Pipeline
 from ..protocols import Needs
@@ -146,9 +145,7 @@ class Scheduler:
         slots and every row's budget is at least that of the row with the fewest real tokens."""
         cfg = self.pipeline.config
         limit = target_slots(layer.num_tokens - cache._max_left_pad, cfg.keep_ratio, cfg.max_slots)
-        share = layer.budget_share()
-        if share is not None:  # a layer with its own share of the budget: the smallest row's
-            limit = max(1, math.floor(limit * share))
+        limit = smallest_share(limit, layer.budget_share())  # a layer with its own share of the budget
         return layer.n > limit + cfg.recompress_every
 
     # ------------------------------------------------------------------ every layer at once
