@@ -246,3 +246,85 @@ def test_two_guards_that_could_split_may_coexist_while_at_most_one_splits():
     with pytest.raises(ValueError, match="at most one guard"):
         twice.compress(states[4], layer_idx=4)
     assert torch.equal(states[4].keys, before) and LAYER_SCALE not in states[4].extras
+
+
+def _sentence_guard(scale: float, layer_scale: float = 2.0) -> ImportanceGuard:
+    (guard,) = get_preset("kvzip-copy-heads-layers").guards
+    return ImportanceGuard(**{**guard.params, "copy_layer_scale": layer_scale, "copy_sentence_scale": scale})
+
+
+def test_bad_copy_sentence_scale_names_the_parameter():
+    for bad in (0.5, 9.0, float("nan"), "2"):
+        with pytest.raises(ValueError, match="copy_sentence_scale"):
+            _sentence_guard(bad)
+    with pytest.raises(ValueError, match="copy_sentence_scale=3.*at most copy_layer_scale = 2"):
+        _sentence_guard(3.0, layer_scale=2.0)
+    cfg = get_preset("kvzip-copy-heads-layers")
+    (guard,) = cfg.guards
+    with pytest.raises(ValueError, match="copy_sentence_scale"):  # through a config, before any compression
+        Pipeline(cfg.replace(guards=({"name": guard.name, "params": {**guard.params, "copy_sentence_scale": 2.5}},)))
+
+
+@settings(CORE_SETTINGS, max_examples=12)
+@given(scale=st.floats(1.0, 2.0), keep=st.sampled_from([0.25, 0.4]), seed=st.integers(0, 50))
+def test_sentence_scale_fills_the_scaled_allowance_and_no_more(scale, keep, seed):
+    """The chosen sentences' free tokens fit floor(room * share * scale) (room: the budget at keep
+    0.25 at most, less the protected slots), and no sentence left out would still fit (a slow
+    check, sentence by sentence); the quotas of the heads without sentences are an even split's."""
+    from kvcompress.strategies.sentences import sentence_ids
+
+    L, N, B = 6, 240, 2
+    states = _layers(L=L, N=N, B=B, seed=seed)
+    guard, even = _sentence_guard(scale), _sentence_guard(1.0)
+    budget = torch.full((B,), math.floor(N * keep))
+    already = torch.zeros(B, N, dtype=torch.bool)
+    already[:, :4] = True
+    already[:, -32:] = True
+    guard.prepare(states, budget, already)
+    even.prepare(states, budget, already)
+    room = min(math.floor(N * keep), math.floor(N * 0.25)) - 36
+    allowance = math.floor(room * (guard.share * min(scale, split_layers(1, L, 2.0)[0])))  # one copy head: as the guard computes it
+    sid = sentence_ids(states[0].token_ids, VOCAB, guard.ends)
+    chosen = guard.chosen_tokens()
+    for b in range(B):
+        lengths: dict[int, int] = {}
+        for t in range(N):
+            if not already[b, t]:
+                lengths[int(sid[b, t])] = lengths.get(int(sid[b, t]), 0) + 1
+        picked = {int(sid[b, t]) for t in range(N) if chosen[b, t]}
+        used = sum(lengths.get(s, 0) for s in picked)
+        assert used <= allowance
+        left_out = [n for s, n in lengths.items() if s not in picked]
+        assert all(n > allowance - used for n in left_out), (allowance, used, sorted(left_out)[:3])
+    assert torch.equal(guard._other, even._other) and torch.equal(guard._allowance, even._allowance)
+    if scale == 1.0:
+        assert torch.equal(chosen, even.chosen_tokens())
+
+
+@pytest.mark.parametrize("scale", [1.5, 2.0])
+def test_scaled_sentences_keep_every_layer_at_its_share(scale):
+    """Through a pipeline: each layer keeps exactly its share, the copy heads hold every chosen
+    sentence token (more of them than at scale 1), the other heads none of them."""
+    L, N = 6, 240
+    states = _layers(L=L, N=N)
+    cfg = get_preset("kvzip-copy-heads-layers", keep_ratio=0.25, on_infeasible="error")
+    (guard,) = cfg.guards
+    held = {}
+    for s in (1.0, scale):
+        pipe = Pipeline(cfg.replace(guards=({"name": guard.name, "params": {**guard.params, "copy_sentence_scale": s}},)))
+        pipe.prepare(states)
+        hi, lo = split_layers(1, L, 2.0)
+        chosen = pipe.guards[0].chosen_tokens()
+        for layer, stt in enumerate(states):
+            out, report = pipe.compress(stt, layer_idx=layer)
+            factor = hi if layer == 4 else lo
+            assert report.budget_met
+            assert bool((out.valid.sum(-1) == max(1, math.floor(N * 0.25 * factor + 1e-9))).all())
+            if layer == 4:
+                pos = torch.where(out.valid, out.positions, -1)  # a kept token's slot (D2O may merge into it)
+                for b in range(2):
+                    want = set(torch.nonzero(chosen[b]).flatten().tolist())
+                    copy_head = 4 % 3
+                    assert want <= set(pos[b, copy_head].tolist())
+        held[s] = int(chosen.sum())
+    assert held[scale] > held[1.0]

@@ -57,6 +57,9 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
   others less, the cache's size the budget's. The copy heads keep their sentences and, beside them, what the
   window queries need (SnapKV's choice), which the sentences had displaced: a continuation that repeats the
   document's own key phrase lost it under noquery (results/issue18-s28).
+- ``kvzip-copy-heads-layers-sentences``: kvzip-copy-heads-layers whose copy heads also hold twice the
+  sentences (guard ``copy_sentence_scale`` ``COPY_SENTENCE_SCALE``), in their layers' extra room: a needle
+  ranked just past an even split's allowance is kept (results/issue18-s29).
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -100,6 +103,10 @@ WHOLE_SHARE = 1.0
 # kvzip-copy-heads-layers: a copy layer's budget against an even split (dev probe, session 28, fidelity windows of
 # seeds 19/22/23 at keep 0.25, the other layers keeping what is left: results/issue18-s28/layer-budget-*.jsonl)
 COPY_LAYER_SCALE = 2.0
+# kvzip-copy-heads-layers-sentences: the copy heads' sentences' allowance against an even split's (dev, session 29:
+# number among distractors on seed 28, 6/10 -> 10/10, the needle ranked 26th-54th of ~210 sentences where the even
+# allowance held ~33; fidelity KL on seed 23's windows 0.0258 -> 0.0261; results/issue18-s29/dev-*)
+COPY_SENTENCE_SCALE = 2.0
 
 
 def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
@@ -310,3 +317,13 @@ def kvzip_copy_heads_layers() -> PipelineConfig:
     caps it), so a copy head's extra slots go to SnapKV's window choice: what the text right before
     the next input needs, which the sentences displaced in those heads under noquery."""
     return _with_guard(kvzip_copy_heads_noquery(), "kvzip-copy-heads-layers", copy_layer_scale=COPY_LAYER_SCALE)
+
+
+@register_preset("kvzip-copy-heads-layers-sentences")
+def kvzip_copy_heads_layers_sentences() -> PipelineConfig:
+    """kvzip-copy-heads-layers whose copy heads give part of their layers' extra room to sentences
+    (guard ``copy_sentence_scale`` ``COPY_SENTENCE_SCALE``): twice an even split's sentences, the
+    rest still SnapKV's window choice. A question-free cache holds the facts whose sentences fit the
+    allowance, and the needles it lost ranked just past it."""
+    return _with_guard(kvzip_copy_heads_layers(), "kvzip-copy-heads-layers-sentences",
+                       copy_sentence_scale=COPY_SENTENCE_SCALE)

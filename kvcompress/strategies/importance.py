@@ -239,6 +239,13 @@ class ImportanceGuard:
             sentences and what the continuation needs from them, which the sentences displaced. In
             the other layers the per-head quotas shrink with the room the layer's budget leaves.
             1: an even split (no layer scale)
+    copy_sentence_scale: with ``copy_layer_scale`` > 1, the sentences' allowance of the copy heads
+            relative to an even split's, in [1, ``copy_layer_scale``] (lowered with the copy layers'
+            factor when that is lowered to fit): part of a copy layer's extra room holds more ranked
+            sentences, the rest goes to the clusterer's choice as above. The sentences' allowance
+            bounds the facts a question-free cache can hold, and a needle ranked just past it is
+            lost (results/issue18-s29). The other heads' quotas stay an even split's. 1: the even
+            split's allowance
     lead:   the lead-in the reconstruction pass gives every chunk after the first (``Needs.pass_lead``;
             0: KVzip's chunks, none). The pass feeds "repeat prompt + chunk", so a chunk's first
             tokens are reproduced before the model has found where in the context it is copying
@@ -264,7 +271,8 @@ class ImportanceGuard:
                  copy_heads: float = 1.0, other_token_share: float | None = None, query_share: float = 0.0,
                  query_heads: float = 1.0, band: int = 0, allowance_keep: float | None = None,
                  lead: int = 0, aligned: bool = False, fill_share: float = 0.0,
-                 copy_layer_scale: float = 1.0, ends: Sequence[str] = SENTENCE_ENDS):
+                 copy_layer_scale: float = 1.0, copy_sentence_scale: float = 1.0,
+                 ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         if allowance_keep is not None:
             check_range("allowance_keep", allowance_keep, 0.0, 1.0, lo_open=True)
@@ -279,6 +287,10 @@ class ImportanceGuard:
         require(copy_layer_scale == 1.0 or copy_heads < 1.0, "copy_layer_scale", copy_layer_scale,
                 "1 with copy_heads 1 (every layer holds the sentences: no layer to give more)")
         self.copy_layer_scale = float(copy_layer_scale)
+        check_range("copy_sentence_scale", copy_sentence_scale, 1.0, 8.0)
+        require(copy_sentence_scale <= copy_layer_scale, "copy_sentence_scale", copy_sentence_scale,
+                f"at most copy_layer_scale = {copy_layer_scale:g} (the copy layers' extra room holds the extra sentences)")
+        self.copy_sentence_scale = float(copy_sentence_scale)
         self._layer_scales: tuple[float, float] | None = None  # (copy layers', other layers') budget factor
         check_range("query_share", query_share, 0.0, 1.0)
         self.query_share = float(query_share)
@@ -327,7 +339,8 @@ class ImportanceGuard:
                 f"copy_heads={self.copy_heads}, other_token_share={self.other_token_share}, "
                 f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band}, "
                 f"allowance_keep={self.allowance_keep}, lead={self.lead}, aligned={self.aligned}, "
-                f"fill_share={self.fill_share}, copy_layer_scale={self.copy_layer_scale})")
+                f"fill_share={self.fill_share}, copy_layer_scale={self.copy_layer_scale}, "
+                f"copy_sentence_scale={self.copy_sentence_scale})")
 
     @property
     def needs(self) -> Needs:
@@ -375,14 +388,19 @@ class ImportanceGuard:
                                                                        self.allowance_keep, None))
             room = (capped - protected).clamp(min=0)
         allowance = torch.floor(room.to(torch.float64) * self.share).long()
+        copy_thr, layer_scales = self._copy_split(states, ids.device)
+        sentences = allowance  # what the chosen sentences may fill: the even split's, or more in copy layers
+        if layer_scales is not None and self.copy_sentence_scale > 1.0:
+            scale = min(self.copy_sentence_scale, layer_scales[0])
+            sentences = torch.floor(room.to(torch.float64) * (self.share * scale)).long()
         eligible = lengths > 0
         chosen = torch.zeros_like(eligible)
         if self.query_share > 0:
-            part = torch.floor(allowance.to(torch.float64) * self.query_share).long()
+            part = torch.floor(sentences.to(torch.float64) * self.query_share).long()
             signal = window_signal(states, sid, num, already[:, :T].to(ids.device), self.query_heads)
             chosen = select_sentences(signal, lengths, part, eligible & (signal > 0))
             eligible = eligible & ~chosen
-        left = allowance - (lengths * chosen).sum(-1).long()
+        left = sentences - (lengths * chosen).sum(-1).long()
         chosen = chosen | select_sentences(score, lengths, left, eligible)
         self._ids, self._keep = ids.clone(), chosen.gather(1, sid) & (ids >= 0)
         # the slots above the allowance cap that go to each head's own reconstruction-ranked tokens
@@ -395,17 +413,22 @@ class ImportanceGuard:
         self._budget, self._protected, self._full_room = budget.to(ids.device), protected, full_room
         self._other = fill + (allowance + own if self.other_token_share is None
                               else torch.floor(room.to(torch.float64) * self.other_token_share).long())
-        self._copy_thr = None
-        self._layer_scales = None
-        if self.copy_heads < 1.0:
-            x = torch.stack([copy_of(st) for st in states], 1)  # [B, L, H]
-            k = int(math.ceil(self.copy_heads * x[0].numel() - 1e-9))
-            self._copy_thr = x.flatten(1).topk(k, dim=-1).values[:, -1].to(ids.device)
-            if self.copy_layer_scale > 1.0:
-                # one split for every row, so that each row's cache is the budget's size: a layer
-                # holding a copy head of any row is a copy layer
-                copy_layers = (x >= self._copy_thr.to(x.device)[:, None, None]).any(-1).any(0)  # [L]
-                self._layer_scales = split_layers(int(copy_layers.sum()), len(states), self.copy_layer_scale)
+        self._copy_thr, self._layer_scales = copy_thr, layer_scales
+
+    def _copy_split(self, states: Sequence[KVState], device) -> tuple[Tensor | None, tuple[float, float] | None]:
+        """([B] the copy score a copy head reaches, or None when every head holds sentences;
+        (copy layers' factor, other layers' factor) of an even split, or None for an even split)."""
+        if self.copy_heads >= 1.0:
+            return None, None
+        x = torch.stack([copy_of(st) for st in states], 1)  # [B, L, H]
+        k = int(math.ceil(self.copy_heads * x[0].numel() - 1e-9))
+        thr = x.flatten(1).topk(k, dim=-1).values[:, -1].to(device)
+        if self.copy_layer_scale <= 1.0:
+            return thr, None
+        # one split for every row, so that each row's cache is the budget's size: a layer holding a
+        # copy head of any row is a copy layer
+        copy_layers = (x >= thr.to(x.device)[:, None, None]).any(-1).any(0)  # [L]
+        return thr, split_layers(int(copy_layers.sum()), len(states), self.copy_layer_scale)
 
     def chosen_tokens(self) -> Tensor | None:
         """[B, T0] bool: tokens of the chosen sentences (None before ``prepare``)."""
