@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["full", "kvzip-copy-heads-layers", "kvzip-copy-heads-noquery", "kvzip-copy-heads-whole", "snapkv", "kvzip",
+ORDER = ["full", "kvzip-copy-heads-layers-sentences", "kvzip-copy-heads-layers", "kvzip-copy-heads-noquery", "kvzip-copy-heads-whole", "snapkv", "kvzip",
          "streamingllm"]
 
 
@@ -38,7 +38,7 @@ def main():
     for folder in sorted(p.name for p in HERE.iterdir() if p.is_dir() and p.name.startswith("heldout-")):
         task = folder.split("-")[1]
         print(f"### {folder}\n")
-        if task in ("word", "distractors", "number"):
+        if task in ("word", "distractors", "number", "aware"):
             h = facts(folder)
             print("| method | hits | budget met |\n|---|---|---|")
             for m in sorted(h, key=lambda m: ORDER.index(m) if m in ORDER else 99):
