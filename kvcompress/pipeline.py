@@ -252,8 +252,8 @@ class Pipeline:
             if any(not g.prepared_for(state) for g in self._cross):
                 self._prepare([state], target_floor)
         if self._layer_budgets and LAYER_SCALE not in state.extras:
-            scales = [s for g in self._layer_budgets if g.prepared_for(state) for s in [g.layer_scale(state)]
-                      if s is not None]
+            scales = [s for g in self._layer_budgets
+                      if g.prepared_for(state) and (s := g.layer_scale(state)) is not None]
             require(len(scales) <= 1, "guards", [type(g).__name__ for g in self._layer_budgets],
                     "at most one guard that splits the budget over the layers (the others at scale 1)")
             if scales:
