@@ -25,6 +25,19 @@ from kvcompress.presets import get_preset
 PG = "/work/shared/data/paul_graham_essays"
 
 
+def prefilled(model, tok, sample, cfg):
+    """(prompt, spans in prompt tokens, snapshot of the prefilled context): the question comes after compression.
+    Shared with session 30's hide_probe.py."""
+    prompt = build_prompt(tok, sample.context, sample.question, None)
+    spans = {n: token_span(prompt.offsets, s, shift=prompt.context_offset) for n, s in sample.spans.items()}
+    rec = Recorder.for_configs(model, tok, [cfg])
+    try:
+        rec.feed(prompt.head)
+        return prompt, spans, rec.snapshot()
+    finally:
+        rec.close()
+
+
 def one(model, tok, hay, a, depth, sample_idx):
     if a.kind == "number" and not a.distractors:
         samples = niah_samples(tok, hay, [a.length], [depth], sample_idx + 1, kind="number", seed=a.seed)
@@ -33,15 +46,8 @@ def one(model, tok, hay, a, depth, sample_idx):
         samples = fact_samples(tok, hay, [a.length], [depth], sample_idx + 1, kind=kind,
                                distractors=a.distractors, seed=a.seed)
     sample = samples[sample_idx]
-    prompt = build_prompt(tok, sample.context, sample.question, None)
-    spans = {n: token_span(prompt.offsets, s, shift=prompt.context_offset) for n, s in sample.spans.items()}
     cfg = get_preset(a.preset, keep_ratio=a.budget)
-    rec = Recorder.for_configs(model, tok, [cfg])
-    try:
-        rec.feed(prompt.head)
-        snap = rec.snapshot()
-    finally:
-        rec.close()
+    prompt, spans, snap = prefilled(model, tok, sample, cfg)
     seen = {}
     real_importance = imp.token_importance
 

@@ -2,10 +2,12 @@
 # Session 29: kvzip-copy-heads-layers beside the baselines on seeds no run had used (28+), one run per task.
 # noquery is left out to halve the cost (its reconstruction variant is the expensive one); add it with EXTRA=,kvzip-copy-heads-noquery.
 # Usage: LEN=2048 bash results/issue18-s29/heldout.sh distractors-s28 number-s28 word-s28 fidelity-s28 agreement-s28
-O=/work/main/results/issue18-s29
+# O (the output folder) and MAIN (the preset measured) default to session 29's; session 30 sets both (its heldout.sh).
+O=${O:-/work/main/results/issue18-s29}
+MAIN=${MAIN:-kvzip-copy-heads-layers}
 PY="nice -n 5 env HF_HUB_OFFLINE=1 /work/main/.venv/bin/python -m kvcompress.cli eval"
 H="--threads 1 --no-progress --no-plots --haystack /work/shared/data/paul_graham_essays"
-P=snapkv,streamingllm,kvzip,kvzip-copy-heads-layers${EXTRA}
+P=snapkv,streamingllm,kvzip,${MAIN}${EXTRA}
 for step in "$@"; do
     seed=${step##*-s}; task=${step%-s*}; L=${LEN:-2048}; out=$O/heldout-$task-$((L / 1024))k-s$seed
     echo "== heldout $step L=$L start $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) commit $(git -C /work/main rev-parse --short HEAD)" >> $O/runs.log

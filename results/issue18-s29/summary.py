@@ -1,9 +1,11 @@
-"""Tables of session 29's held-out runs (seeds 28+), per method, with session 28's table code.
+"""Tables of the held-out runs of sessions 29 (seeds 28-30) and 30 (seeds 31-32), per method, with session 28's table code.
 
-    python results/issue18-s29/summary.py
+    python results/issue18-s29/summary.py                       # session 29's folder
+    python results/issue18-s29/summary.py results/issue18-s30   # session 30's
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -15,4 +17,4 @@ s28 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(s28)
 
 if __name__ == "__main__":
-    s28.main(HERE, ORDER)
+    s28.main(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else HERE, ORDER)

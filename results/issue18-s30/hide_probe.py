@@ -27,16 +27,21 @@ import math
 
 import torch
 
+import importlib.util
+from pathlib import Path
+
 import kvcompress.strategies.importance as imp
-from kvcompress.eval.caches import Recorder
-from kvcompress.eval.data import Haystack, load_haystack_text, token_span
-from kvcompress.eval.greedy import build_prompt, greedy
+from kvcompress.eval.data import Haystack, load_haystack_text
+from kvcompress.eval.greedy import greedy
 from kvcompress.eval.niah import niah_samples
 from kvcompress.eval.reconstruction import copy_for
 from kvcompress.hf.loading import load_model
 from kvcompress.presets import get_preset
 
-PG = "/work/shared/data/paul_graham_essays"
+_spec = importlib.util.spec_from_file_location("capture", Path(__file__).resolve().parents[1] / "issue18-s27" / "capture.py")
+capture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(capture)
+PG = capture.PG
 # name -> (the needle protected from compression in every head, where it is then hidden: see the docstring)
 VARIANTS = {"oracle": (True, None), "oracle-copy-only": (True, "not-copy"), "oracle-no-copy": (True, "copy"),
             "oracle-early": (True, "early"), "oracle-late": (True, "late"), "preset": (False, None),
@@ -86,14 +91,7 @@ def main():
     share = cfg.guards[0].params["copy_heads"]
     with open(a.out, "w") as f:
         for sample in samples:
-            prompt = build_prompt(tok, sample.context, sample.question, None)
-            spans = {n: token_span(prompt.offsets, s, shift=prompt.context_offset) for n, s in sample.spans.items()}
-            rec = Recorder.for_configs(model, tok, [cfg])
-            try:
-                rec.feed(prompt.head)
-                snap = rec.snapshot()
-            finally:
-                rec.close()
+            prompt, spans, snap = capture.prefilled(model, tok, sample, cfg)
             needle = spans["needle"]
             L = len(snap.states)
             for name in a.variants.split(","):
