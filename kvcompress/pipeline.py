@@ -18,6 +18,7 @@ from torch import Tensor
 from .budget import LAYER_SCALE, target_slots as budget_slots
 from .config import PipelineConfig, as_config
 from .protocols import (ClusterPlan, CrossLayerGuard, FitsComposedPlan, FloorAware, HoleTolerant, LayerBudgetGuard,
+                        LayeredGuard,
                         MergesInPlace, Needs, PersistentGuard, budget_scope_of, needs_of)
 from .registry import CHUNKERS, CLUSTERERS, GUARDS, MERGERS
 from .types import CompressionReport, KVState
@@ -135,6 +136,11 @@ def join_chunks(valid: Tensor, chunk_ids: Tensor, groups: Tensor) -> Tensor:
     return torch.where((ids >= 0) & (count > g), joined, chunk_ids)
 
 
+def guard_mask(guard, state: KVState, layer_idx: int | None) -> Tensor:
+    """[B, H, N] bool: the guard's slots in this layer (a ``LayeredGuard`` is told which layer)."""
+    return guard.for_layer(state, layer_idx) if isinstance(guard, LayeredGuard) else guard(state)
+
+
 def compose_plans(outer: Tensor, parent: Tensor) -> Tensor:
     """One plan over the input slots for two rounds of merging.
 
@@ -244,7 +250,7 @@ class Pipeline:
         for guard in self._cross:
             guard.prepare(states, budget, already)
 
-    def _prepared(self, state: KVState, target_floor: Tensor | None = None) -> KVState:
+    def _prepared(self, state: KVState, target_floor: Tensor | None = None, layer_idx: int | None = None) -> KVState:
         """Prepare cross-layer guards from this layer when nobody did, mark the slots of
         persistent guards in ``stats[GUARD_MARK]`` so later compressions keep them, and carry the
         layer's share of the budget (``extras[LAYER_SCALE]``) from its first compression on."""
@@ -266,7 +272,7 @@ class Pipeline:
             return state
         mark = torch.zeros_like(state.valid)
         for guard in self._persistent:
-            mark |= guard(state)
+            mark |= guard_mask(guard, state, layer_idx)
         old = state.stats.get(GUARD_MARK)
         if old is not None:
             mark |= old > 0
@@ -328,7 +334,7 @@ class Pipeline:
         for guard in self.guards:
             if marked is not None and guard in self._persistent:
                 continue  # its slots are in the marks already
-            mask = guard(state)
+            mask = guard_mask(guard, state, layer_idx)
             require(tuple(mask.shape) == tuple(valid.shape) and mask.dtype == torch.bool,
                     "guard output", (tuple(mask.shape), mask.dtype), f"a bool mask of shape {tuple(valid.shape)}")
             protected |= mask & valid
@@ -425,7 +431,7 @@ class Pipeline:
                     (tuple(protect.shape), protect.dtype), f"a bool mask of shape {tuple(state.valid.shape)}")
             # merging carries ``protected`` slot for slot, so the mask holds for every round
             state = state.replace(protected=protect if own is None else own | protect)
-        current = state = self._prepared(state, target_floor)  # first: it may carry the layer's budget share
+        current = state = self._prepared(state, target_floor, layer_idx)  # first: it may carry the layer's budget share
         target = self._row_targets(state, self._targets(state, layer_idx, target_floor))
         # a merger fitted once: the rounds merge with its plain merger, their plans composed
         fits_once = isinstance(self.merger, FitsComposedPlan)

@@ -178,6 +178,17 @@ class LayerBudgetGuard(CrossLayerGuard, Protocol):
 
 
 @runtime_checkable
+class LayeredGuard(Protocol):
+    """A guard whose slots depend on where the layer sits in the model: the pipeline asks it with
+    ``for_layer(state, layer_idx)`` (the index ``Pipeline.compress`` was given; None when it was
+    given none) instead of calling it. A cross-layer guard counts layers as ``prepare`` saw them."""
+
+    def for_layer(self, state: KVState, layer_idx: int | None) -> Tensor:
+        """Slots that must never be merged or dropped, [B, H, N] bool."""
+        ...
+
+
+@runtime_checkable
 class PersistentGuard(Protocol):
     """A guard whose slots (when ``persistent`` is True) are marked once in ``stats["guarded"]``,
     so later compressions keep them without deciding again."""

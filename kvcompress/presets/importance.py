@@ -60,6 +60,10 @@ writes (``kvcompress.hf.reconstruct``); a pipeline used on states alone cannot r
 - ``kvzip-copy-heads-layers-sentences``: kvzip-copy-heads-layers whose copy heads also hold twice the
   sentences (guard ``copy_sentence_scale`` ``COPY_SENTENCE_SCALE``), in their layers' extra room: a needle
   ranked just past an even split's allowance is kept (results/issue18-s29).
+- ``kvzip-copy-heads-upper``: kvzip-copy-heads-layers-sentences whose heads without sentences, in the upper
+  half of the layers, give ``UPPER_SHARE`` of their own tokens' quota to the best-ranked chosen sentences
+  (guard ``upper_share``): near 4k tokens the model reads a number through many heads of the upper layers,
+  not the copy heads alone (results/issue18-s30/probe, results/issue18-s31).
 """
 
 from ..config import PipelineConfig, StrategySpec
@@ -107,6 +111,10 @@ COPY_LAYER_SCALE = 2.0
 # number among distractors on seed 28, 6/10 -> 10/10, the needle ranked 26th-54th of ~210 sentences where the even
 # allowance held ~33; fidelity KL on seed 23's windows 0.0258 -> 0.0261; results/issue18-s29/dev-*)
 COPY_SENTENCE_SCALE = 2.0
+# kvzip-copy-heads-upper: the share of an upper-layer other head's own tokens given to the best-ranked sentences
+# (dev, session 31, spent 4k windows of seeds 30 and 33 the preset above missed with the needle chosen: see
+# docs/results.md; 0.5 and 1.0 tried)
+UPPER_SHARE = 0.5
 
 
 def importance_guard(share: float = IMPORTANT_SHARE, **params) -> StrategySpec:
@@ -327,3 +335,12 @@ def kvzip_copy_heads_layers_sentences() -> PipelineConfig:
     allowance, and the needles it lost ranked just past it."""
     return _with_guard(kvzip_copy_heads_layers(), "kvzip-copy-heads-layers-sentences",
                        copy_sentence_scale=COPY_SENTENCE_SCALE)
+
+
+@register_preset("kvzip-copy-heads-upper")
+def kvzip_copy_heads_upper() -> PipelineConfig:
+    """kvzip-copy-heads-layers-sentences whose heads without sentences in the upper half of the
+    layers hold the best-ranked chosen sentences too (guard ``upper_share`` ``UPPER_SHARE``, in place
+    of as many of their own tokens): a needle the copy heads held was still lost near 4k, where the
+    model reads it through many heads of the upper layers."""
+    return _with_guard(kvzip_copy_heads_layers_sentences(), "kvzip-copy-heads-upper", upper_share=UPPER_SHARE)

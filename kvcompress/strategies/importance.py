@@ -246,6 +246,14 @@ class ImportanceGuard:
             bounds the facts a question-free cache can hold, and a needle ranked just past it is
             lost (results/issue18-s29). The other heads' quotas stay an even split's. 1: the even
             split's allowance
+    upper_share: with ``copy_heads`` < 1, the share of its own tokens' quota that a head without
+            sentences, in a layer from ``upper_from`` on, gives to the best-ranked of the chosen
+            sentences (the same few in every such head, exact; the rest of the quota stays its own
+            best tokens). A question-free cache whose needle the copy heads held could still not
+            answer near 4k: the answer is read through many heads of the upper half, and hiding it
+            there alone lost it (results/issue18-s30/probe). 0: sentences in the copy heads only
+    upper_from: the first layer ``upper_share`` reaches, as a share of the layers ``prepare`` saw
+            (0.5: the upper half); a layer whose index the pipeline was not given is not reached
     lead:   the lead-in the reconstruction pass gives every chunk after the first (``Needs.pass_lead``;
             0: KVzip's chunks, none). The pass feeds "repeat prompt + chunk", so a chunk's first
             tokens are reproduced before the model has found where in the context it is copying
@@ -272,6 +280,7 @@ class ImportanceGuard:
                  query_heads: float = 1.0, band: int = 0, allowance_keep: float | None = None,
                  lead: int = 0, aligned: bool = False, fill_share: float = 0.0,
                  copy_layer_scale: float = 1.0, copy_sentence_scale: float = 1.0,
+                 upper_share: float = 0.0, upper_from: float = 0.5,
                  ends: Sequence[str] = SENTENCE_ENDS):
         check_range("surprisal", surprisal, 0.0, 100.0)
         if allowance_keep is not None:
@@ -292,6 +301,14 @@ class ImportanceGuard:
                 f"at most copy_layer_scale = {copy_layer_scale:g} (the copy layers' extra room holds the extra sentences)")
         self.copy_sentence_scale = float(copy_sentence_scale)
         self._layer_scales: tuple[float, float] | None = None  # (copy layers', other layers') budget factor
+        check_range("upper_share", upper_share, 0.0, 1.0)
+        require(upper_share == 0 or copy_heads < 1.0, "upper_share", upper_share,
+                "0 with copy_heads 1 (every head holds the sentences already)")
+        check_range("upper_from", upper_from, 0.0, 1.0, lo_open=True)
+        self.upper_share, self.upper_from = float(upper_share), float(upper_from)
+        self._upper: Tensor | None = None  # [B, T] bool tokens of the sentences the upper layers' other heads hold
+        self._upper_len: Tensor | None = None  # [B] their tokens (not protected anyway)
+        self._upper_first = 0  # first layer index they reach
         check_range("query_share", query_share, 0.0, 1.0)
         self.query_share = float(query_share)
         check_range("query_heads", query_heads, 0.0, 1.0, lo_open=True)
@@ -340,7 +357,8 @@ class ImportanceGuard:
                 f"query_share={self.query_share}, query_heads={self.query_heads}, band={self.band}, "
                 f"allowance_keep={self.allowance_keep}, lead={self.lead}, aligned={self.aligned}, "
                 f"fill_share={self.fill_share}, copy_layer_scale={self.copy_layer_scale}, "
-                f"copy_sentence_scale={self.copy_sentence_scale})")
+                f"copy_sentence_scale={self.copy_sentence_scale}, upper_share={self.upper_share}, "
+                f"upper_from={self.upper_from})")
 
     @property
     def needs(self) -> Needs:
@@ -414,6 +432,16 @@ class ImportanceGuard:
         self._other = fill + (allowance + own if self.other_token_share is None
                               else torch.floor(room.to(torch.float64) * self.other_token_share).long())
         self._copy_thr, self._layer_scales = copy_thr, layer_scales
+        self._upper = self._upper_len = None
+        if self.upper_share > 0 and copy_thr is not None:
+            # sized for the smallest quota an upper layer's other head has (a layer that gave room)
+            factor = 1.0 if layer_scales is None else min(layer_scales)
+            smaller = (torch.floor(self._budget.to(torch.float64) * factor) - protected).clamp(min=0)
+            quota = torch.floor(self._other.to(torch.float64) * (smaller / full_room.clamp(min=1)).clamp(max=1.0))
+            upper = select_sentences(score, lengths, torch.floor(quota * self.upper_share).long(), chosen)
+            self._upper = upper.gather(1, sid) & (ids >= 0)
+            self._upper_len = (lengths * upper).sum(-1).long()
+            self._upper_first = int(math.ceil(self.upper_from * len(states) - 1e-9))
 
     def _copy_split(self, states: Sequence[KVState], device) -> tuple[Tensor | None, tuple[float, float] | None]:
         """([B] the copy score a copy head reaches, or None when every head holds sentences;
@@ -445,16 +473,17 @@ class ImportanceGuard:
         return torch.full((state.batch_size,), hi if copy_layer else lo, dtype=torch.float64, device=dev)
 
     def __call__(self, state: KVState) -> Tensor:
-        """[B, H, N] bool: slots holding a token of a chosen sentence."""
+        """[B, H, N] bool: slots holding a token of a chosen sentence (a layer of unknown place)."""
+        return self.for_layer(state, None)
+
+    def for_layer(self, state: KVState, layer_idx: int | None) -> Tensor:
+        """[B, H, N] bool: slots holding a token of a chosen sentence, and (``upper_share``, layer
+        ``layer_idx`` from ``upper_from`` on) of the best-ranked ones in the other heads."""
         if not self.prepared_for(state):
             return torch.zeros_like(state.valid)
-        keep = self._keep.to(state.positions.device)
-        pos = state.positions
-        B, H, N = pos.shape
-        inside = (pos >= 0) & (pos < keep.shape[1])
-        hit = keep.gather(1, pos.clamp(0, keep.shape[1] - 1).reshape(B, H * N)).view(B, H, N)
-        mask = hit & inside & state.valid
-        dev = pos.device
+        mask = _token_slots(self._keep, state)
+        B, H, _ = mask.shape
+        dev = mask.device
         tokens = self._tokens.to(dev)[:, None].expand(B, H)  # [B, H] exact tokens of each head's own choice
         cap = self._cap.to(dev)[:, None].expand(B, H)
         if self._copy_thr is not None:
@@ -472,6 +501,11 @@ class ImportanceGuard:
                 factor = (smaller / self._full_room.to(dev).clamp(min=1)).clamp(max=1.0)[:, None]  # [B, 1]
                 tokens = torch.floor(tokens.to(torch.float64) * factor).long()
                 cap = torch.floor(cap.to(torch.float64) * factor).long()
+            if self._upper is not None and layer_idx is not None and layer_idx >= self._upper_first:
+                # the other heads hold the best few sentences in place of as many of their own tokens
+                wide = ~sentences
+                mask |= _token_slots(self._upper, state) & wide[..., None]
+                tokens = torch.where(wide, (tokens - self._upper_len.to(dev)[:, None]).clamp(min=0), tokens)
         if bool((tokens > 0).any()):
             from .eviction import rank_desc
 
@@ -490,6 +524,16 @@ class ImportanceGuard:
             rank = rank_desc(_window_scorer()(state), free)
             mask |= free & (rank < self._window.to(rank.device)[:, None, None])
         return mask
+
+
+def _token_slots(tokens: Tensor, state: KVState) -> Tensor:
+    """[B, H, N] bool: valid slots of ``state`` whose position is a True token of ``tokens`` [B, T0]."""
+    keep = tokens.to(state.positions.device)
+    pos = state.positions
+    B, H, N = pos.shape
+    inside = (pos >= 0) & (pos < keep.shape[1])
+    hit = keep.gather(1, pos.clamp(0, keep.shape[1] - 1).reshape(B, H * N)).view(B, H, N)
+    return hit & inside & state.valid
 
 
 def window_signal(states: Sequence[KVState], sid: Tensor, num: int, already: Tensor,

@@ -18,7 +18,7 @@ for step in "$@"; do
     distractors) $PY niah --fact number --distractors --protocols agnostic --presets full,$P $F ;;
     number) $PY niah --needle number --protocols agnostic --presets full,$P $F ;;
     word) $PY niah --fact code-word --protocols agnostic --presets full,$P $F ;;
-    aware) $PY niah --fact number --distractors --protocols aware --presets full,snapkv,kvzip-copy-heads-layers-sentences $F ;;
+    aware) $PY niah --fact number --distractors --protocols aware --presets full,snapkv,${AWARE:-kvzip-copy-heads-layers-sentences} $F ;;
     esac > $out.log 2>&1
     echo "== heldout $step done rc=$? $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> $O/runs.log
 done
