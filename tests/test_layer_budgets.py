@@ -248,6 +248,23 @@ def test_two_guards_that_could_split_may_coexist_while_at_most_one_splits():
     assert torch.equal(states[4].keys, before) and LAYER_SCALE not in states[4].extras
 
 
+def free_lengths(sid, already) -> dict[int, int]:
+    """Slow reference: tokens of each sentence (``sid`` [T]) not in ``already`` [T] bool."""
+    lengths: dict[int, int] = {}
+    for t in range(sid.shape[0]):
+        if not already[t]:
+            lengths[int(sid[t])] = lengths.get(int(sid[t]), 0) + 1
+    return lengths
+
+
+def assert_greedy_fill(lengths: dict[int, int], picked: set, candidates: set, allowance: int) -> None:
+    """No candidate sentence left out of ``picked`` would still fit what the allowance leaves (the
+    greedy choice skips only sentences longer than what is left, and what is left only shrinks)."""
+    used = sum(lengths.get(s, 0) for s in picked)
+    left_out = [lengths[s] for s in candidates - picked if s in lengths]
+    assert all(n > allowance - used for n in left_out), (allowance, used, sorted(left_out)[:3])
+
+
 def _sentence_guard(scale: float, layer_scale: float = 2.0) -> ImportanceGuard:
     (guard,) = get_preset("kvzip-copy-heads-layers").guards
     return ImportanceGuard(**{**guard.params, "copy_layer_scale": layer_scale, "copy_sentence_scale": scale})
@@ -287,15 +304,11 @@ def test_sentence_scale_fills_the_scaled_allowance_and_no_more(scale, keep, seed
     sid = sentence_ids(states[0].token_ids, VOCAB, guard.ends)
     chosen = guard.chosen_tokens()
     for b in range(B):
-        lengths: dict[int, int] = {}
-        for t in range(N):
-            if not already[b, t]:
-                lengths[int(sid[b, t])] = lengths.get(int(sid[b, t]), 0) + 1
+        lengths = free_lengths(sid[b], already[b])
         picked = {int(sid[b, t]) for t in range(N) if chosen[b, t]}
         used = sum(lengths.get(s, 0) for s in picked)
         assert used <= allowance
-        left_out = [n for s, n in lengths.items() if s not in picked]
-        assert all(n > allowance - used for n in left_out), (allowance, used, sorted(left_out)[:3])
+        assert_greedy_fill(lengths, picked, set(lengths), allowance)
     assert torch.equal(guard._other, even._other) and torch.equal(guard._allowance, even._allowance)
     if scale == 1.0:
         assert torch.equal(chosen, even.chosen_tokens())

@@ -17,7 +17,7 @@ from kvcompress.protocols import LayeredGuard
 from kvcompress.strategies.importance import COPY, ImportanceGuard, split_layers
 from kvcompress.strategies.sentences import sentence_ids
 
-from test_layer_budgets import VOCAB, _layers
+from test_layer_budgets import VOCAB, _layers, assert_greedy_fill, free_lengths
 
 L, N, B = 6, 240, 2
 COPY_LAYER = 4  # _layers: layers 1 and 4 hold a head with a high copy score; copy_heads 0.05 picks layer 4's
@@ -79,16 +79,12 @@ def test_upper_sentences_are_the_best_chosen_ones_that_fit_the_quota(share, seed
     assert guard._upper_first == 3
     assert not bool((upper & ~chosen).any())
     for b in range(B):
-        lengths: dict[int, int] = {}
-        for t in range(N):
-            if not already[b, t]:
-                lengths[int(sid[b, t])] = lengths.get(int(sid[b, t]), 0) + 1
+        lengths = free_lengths(sid[b], already[b])
         in_chosen = {int(sid[b, t]) for t in range(N) if chosen[b, t]}
         picked = {int(sid[b, t]) for t in range(N) if upper[b, t]}
         used = sum(lengths.get(s, 0) for s in picked)
         assert used == int(guard._upper_len[b]) and used <= allowance
-        left_out = [lengths[s] for s in in_chosen - picked if s in lengths]
-        assert all(n > allowance - used for n in left_out), (allowance, used, sorted(left_out)[:3])
+        assert_greedy_fill(lengths, picked, in_chosen, allowance)
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])

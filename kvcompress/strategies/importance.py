@@ -97,6 +97,13 @@ def split_layers(copy_layers: int, layers: int, scale: float) -> tuple[float, fl
     return hi, (L - c * hi) / (L - c)
 
 
+def room_factor(budget: Tensor, scale: Tensor | float, protected: Tensor, full_room: Tensor) -> Tensor:
+    """[B] float64 in [0, 1]: the room a layer at ``scale`` times the even ``budget`` [B] leaves beside
+    the ``protected`` [B] slots (which do not shrink), relative to the even split's ``full_room`` [B]."""
+    smaller = (torch.floor(budget.to(torch.float64) * scale) - protected).clamp(min=0)
+    return (smaller / full_room.clamp(min=1)).clamp(max=1.0)
+
+
 def ranks01(x: Tensor, eligible: Tensor) -> Tensor:
     """[B, S] float32 in [0, 1]: each eligible entry's rank among the eligible entries of its row
     (1 = highest; ties broken by index), 0 for the others. x, eligible: [B, S]."""
@@ -435,9 +442,8 @@ class ImportanceGuard:
         self._upper = self._upper_len = None
         if self.upper_share > 0 and copy_thr is not None:
             # sized for the smallest quota an upper layer's other head has (a layer that gave room)
-            factor = 1.0 if layer_scales is None else min(layer_scales)
-            smaller = (torch.floor(self._budget.to(torch.float64) * factor) - protected).clamp(min=0)
-            quota = torch.floor(self._other.to(torch.float64) * (smaller / full_room.clamp(min=1)).clamp(max=1.0))
+            scale = 1.0 if layer_scales is None else min(layer_scales)
+            quota = torch.floor(self._other.to(torch.float64) * room_factor(self._budget, scale, protected, full_room))
             upper = select_sentences(score, lengths, torch.floor(quota * self.upper_share).long(), chosen)
             self._upper = upper.gather(1, sid) & (ids >= 0)
             self._upper_len = (lengths * upper).sum(-1).long()
@@ -497,8 +503,7 @@ class ImportanceGuard:
             if scale is not None and bool((scale < 1).any()):
                 # a layer that gave room: its quotas shrink with the room its budget leaves beside
                 # the slots protected anyway (which do not shrink)
-                smaller = (torch.floor(self._budget.to(dev, torch.float64) * scale) - self._protected.to(dev)).clamp(min=0)
-                factor = (smaller / self._full_room.to(dev).clamp(min=1)).clamp(max=1.0)[:, None]  # [B, 1]
+                factor = room_factor(self._budget.to(dev), scale, self._protected.to(dev), self._full_room.to(dev))[:, None]
                 tokens = torch.floor(tokens.to(torch.float64) * factor).long()
                 cap = torch.floor(cap.to(torch.float64) * factor).long()
             if self._upper is not None and layer_idx is not None and layer_idx >= self._upper_first:
